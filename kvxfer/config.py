@@ -303,7 +303,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(source, "", f"cannot read file: {e.strerror or e}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(source, "", f"invalid YAML: {e}") from None
     if data is None:

@@ -43,7 +43,9 @@ class LocalDataPlane(DataPlane):
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for r in regions:
             if r.device != "cpu":
-                raise ValueError(f"region {r.region_id}: the local data plane moves host memory only, got {r.device}")
+                raise ValueError(
+                    f"region {r.region_id}: the local data plane moves host memory only, got {r.device}"
+                )
             if r.region_id in self._regions:
                 raise ValueError(f"region {r.region_id} is already registered")
         self._regions.update({r.region_id: r for r in regions})
@@ -88,7 +90,8 @@ class LocalDataPlane(DataPlane):
                 d.local_offset.tolist(), d.length.tolist(), strict=True,
             ):
                 ctypes.memmove(dst_base[lr] + lo, src_base[rr] + ro, n)
-        self._results.append(BatchResult(batch_id, peer_id, request_id, d.nbytes if error is None else 0, error))
+        nbytes = d.nbytes if error is None else 0
+        self._results.append(BatchResult(batch_id, peer_id, request_id, nbytes, error))
         return batch_id
 
     def poll(self) -> list[BatchResult]:

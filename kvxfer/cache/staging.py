@@ -1,0 +1,72 @@
+"""Host staging: copy chosen blocks between a cache and packed host buffers.
+
+A data plane that cannot reach device memory moves blocks through host buffers.
+Each copy is one batched ``index_select`` / ``index_copy_`` per tensor (per layer, or
+one for a cross-layer cache), never a Python loop per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvxfer.cache.tensors import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def _index(cache: KVCache, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    idx = torch.as_tensor(block_ids, dtype=torch.int64)
+    if idx.ndim != 1:
+        raise ValueError(f"block_ids: expected a 1-d sequence, got shape {tuple(idx.shape)}")
+    if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= cache.num_blocks):
+        raise ValueError(f"block_ids: expected ids in [0, {cache.num_blocks}), got {idx.tolist()}")
+    return idx
+
+
+def host_buffers(cache: KVCache, num_blocks: int) -> list[torch.Tensor]:
+    """Packed host buffers for ``num_blocks`` blocks of every tensor (pinned for CUDA)."""
+    pin = cache.device.type == "cuda"
+    return [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in cache.tensors]
+
+
+def gather_to_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
+                   out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Blocks ``block_ids`` of every tensor, packed in that order into host buffers."""
+    idx = _index(cache, block_ids)
+    if out is None:
+        out = host_buffers(cache, len(idx))
+    if len(out) != len(cache.tensors):
+        raise ValueError(f"out: expected {len(cache.tensors)} buffers, got {len(out)}")
+    dev_idx = idx.to(cache.device)
+    for t, buf in zip(cache.tensors, out, strict=True):
+        if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+            raise ValueError(f"out buffer {tuple(buf.shape)} {buf.dtype} cannot hold {len(idx)} "
+                             f"blocks of {tuple(t.shape[1:])} {t.dtype}")
+        dst = buf[: len(idx)]
+        if t.device.type == "cpu":
+            torch.index_select(t, 0, dev_idx, out=dst)
+        else:
+            dst.copy_(torch.index_select(t, 0, dev_idx), non_blocking=True)
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
+    return out
+
+
+def scatter_from_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
+                      src: list[torch.Tensor]) -> None:
+    """Write packed host buffers into blocks ``block_ids`` of every tensor."""
+    idx = _index(cache, block_ids)
+    if len(src) != len(cache.tensors):
+        raise ValueError(f"src: expected {len(cache.tensors)} buffers, got {len(src)}")
+    for t, buf in zip(cache.tensors, src, strict=True):
+        if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+            raise ValueError(f"src buffer {tuple(buf.shape)} {buf.dtype} does not match "
+                             f"{len(idx)} blocks of {tuple(t.shape[1:])} {t.dtype}")
+    dev_idx = idx.to(cache.device)
+    for t, buf in zip(cache.tensors, src, strict=True):
+        t.index_copy_(0, dev_idx, buf[: len(idx)].to(t.device, non_blocking=True))
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
