@@ -153,11 +153,18 @@ class ConnectorConfig(Config):
     name: Name = "tcp"
     mode: TransferMode = "pull"
     side_channel: SideChannelConfig = msgspec.field(default_factory=SideChannelConfig)
-    data_plane: dict[str, DataPlaneValue] = msgspec.field(default_factory=dict)
+    # Options for the data plane, free-form so third-party connectors need no schema change.
+    data_plane: dict[str, Any] = msgspec.field(default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     auth: AuthConfig | None = None
 
     def __post_init__(self) -> None:
+        for key, value in self.data_plane.items():
+            if not isinstance(value, DataPlaneValue):
+                raise _refuse(
+                    f"data_plane.{key}",
+                    f"expected a str, int, float or bool, got {type(value).__name__} {value!r}",
+                )
         if self.timeouts.abort_s < self.timeouts.transfer_s:
             raise _refuse(
                 "timeouts.abort_s",

@@ -1,0 +1,120 @@
+"""The ``kvxfer`` command: check configs and launch a paired prefill/decode set."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from kvxfer import __version__
+from kvxfer.cache.spec import spec_from_config
+from kvxfer.config import (
+    ConfigError,
+    InstanceConfig,
+    is_launch_file,
+    load_instance_config,
+    load_launch_config,
+    read_yaml,
+    to_yaml,
+)
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_CONFIG, EXIT_UNAVAILABLE = 0, 1, 2
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def describe_instance(cfg: InstanceConfig) -> list[str]:
+    """One line per PP stage: layers, KV heads per rank, bytes per block, cache size."""
+    lines = []
+    par = cfg.parallel
+    for pp_rank in range(par.pp):
+        spec = spec_from_config(cfg, pp_rank)
+        lines.append(
+            f"  stage {pp_rank}: layers {spec.first_layer}-{spec.first_layer + spec.num_layers - 1}, "
+            f"{spec.num_kv_heads} kv head(s)/rank x {par.tp} tp rank(s), block {spec.block_size} tokens "
+            f"= {spec.bytes_per_block:,} B, cache {_mib(spec.bytes_per_block * cfg.cache.num_blocks)}/rank"
+        )
+    return lines
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            data = read_yaml(path)
+            if is_launch_file(data):
+                launch = load_launch_config(path)
+                print(f"# {path}: launcher file, valid")
+                print(to_yaml(launch), end="")
+                for inst in launch.instances:
+                    cfg = load_instance_config(inst)
+                    print(f"# {inst}: {cfg.role} instance {cfg.engine_id!r}, valid")
+            else:
+                cfg = load_instance_config(path)
+                print(f"# {path}: {cfg.role} instance {cfg.engine_id!r}, valid")
+                print(to_yaml(cfg), end="")
+                print("# derived:")
+                for line in describe_instance(cfg):
+                    print("#" + line)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = EXIT_CONFIG
+    return status
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    try:
+        launch = load_launch_config(args.file)
+        instances = [load_instance_config(p) for p in launch.instances]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"launch plan from {args.file}:")
+    for path, cfg in zip(launch.instances, instances, strict=True):
+        print(f"- {cfg.role} instance {cfg.engine_id!r} ({os.path.relpath(path)}): "
+              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}, connector {cfg.connector.name} "
+              f"({cfg.connector.mode}), server {cfg.server.host}:{cfg.server.port}")
+        for line in describe_instance(cfg):
+            print(line)
+    w = launch.workload
+    print(f"- router {launch.router.host}:{launch.router.port}; workload: {w.num_requests} requests, "
+          f"{w.prompt_tokens} prompt tokens, {w.output_tokens} output tokens")
+    print(
+        "kvxfer launch: the configs are valid, but the instance processes (the reference engine) "
+        "are not built yet, so nothing was started.",
+        file=sys.stderr,
+    )
+    return EXIT_UNAVAILABLE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("KVXFER_LOG_LEVEL", "WARNING"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check-config", help="validate instance or launcher YAML files")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("launch", help="start the instances and router of a launcher file")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=cmd_launch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
