@@ -51,7 +51,8 @@ class Allocation:
     num_cached_tokens: int
     state: BlockState
     deadline: float | None = None
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # of every full block, computed once
+    num_published: int = 0  # leading blocks already in the prefix cache
 
     @property
     def block_ids(self) -> list[int]:
@@ -120,9 +121,16 @@ class BlockManager:
         self, token_ids: Sequence[int], max_cached_tokens: int | None = None
     ) -> list[KVCacheBlock]:
         """Leading full blocks of ``token_ids`` already in the prefix cache."""
+        if not self.pool.enable_caching:
+            return []
+        return self._hits(self.hashes(token_ids), len(token_ids), max_cached_tokens)
+
+    def _hits(
+        self, hashes: list[bytes], num_tokens: int, max_cached_tokens: int | None
+    ) -> list[KVCacheBlock]:
+        limit = num_tokens if max_cached_tokens is None else max(0, min(num_tokens, max_cached_tokens))
         hits: list[KVCacheBlock] = []
-        limit = len(token_ids) if max_cached_tokens is None else max(0, max_cached_tokens)
-        for h in self.hashes(token_ids[: limit - limit % self.block_size]):
+        for h in hashes[: limit // self.block_size]:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
@@ -156,7 +164,8 @@ class BlockManager:
             raise ValueError(f"request {request_id!r}: no tokens")
         tokens = np.asarray(token_ids, dtype=np.int64).tolist()
         needed = self.blocks_needed(len(tokens))
-        hits = self.prefix_hits(tokens, max_cached_tokens)
+        hashes = self.hashes(tokens) if self.pool.enable_caching else []
+        hits = self._hits(hashes, len(tokens), max_cached_tokens)
         from_free = needed - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
         if from_free > self.num_free_blocks:
             raise ValueError(
@@ -165,7 +174,7 @@ class BlockManager:
         self.pool.touch(hits)  # before allocating, so a hit cannot be evicted for ourselves
         new = self.pool.allocate(needed - len(hits))
         alloc = Allocation(request_id, hits + new, tokens, len(hits), len(hits) * self.block_size,
-                           state, deadline, hashes=[b.block_hash for b in hits if b.block_hash is not None])
+                           state, deadline, hashes=hashes, num_published=len(hits))
         self.requests[request_id] = alloc
         return alloc
 
@@ -190,24 +199,25 @@ class BlockManager:
         alloc = self.get(request_id)
         alloc.state = BlockState.COMMITTED
         alloc.deadline = None
-        return self._cache_full_blocks(alloc)
+        return self._publish(alloc)
 
-    def _cache_full_blocks(self, alloc: Allocation) -> list[int]:
-        full = len(alloc.token_ids) // self.block_size
-        done = len(alloc.hashes)
-        if full <= done:
-            return []
-        parent = alloc.hashes[-1] if alloc.hashes else None
-        new_hashes = prefix_hashes(
-            alloc.token_ids[done * self.block_size : full * self.block_size],
-            self.block_size, self.hash_algo, self.hash_seed, parent=parent,
-        )
-        cached = []
-        for block, h in zip(alloc.blocks[done:full], new_hashes, strict=True):
-            if self.pool.cache_block(block, h):
-                cached.append(block.block_id)
-        alloc.hashes.extend(new_hashes)
+    def _publish(self, alloc: Allocation) -> list[int]:
+        """Put the request's hashed, not yet published full blocks in the prefix cache."""
+        start, stop = alloc.num_published, len(alloc.hashes)
+        cached = [b.block_id for b, h in zip(alloc.blocks[start:stop], alloc.hashes[start:stop], strict=True)
+                  if self.pool.cache_block(b, h)]
+        alloc.num_published = stop
         return cached
+
+    def _extend_hashes(self, alloc: Allocation) -> None:
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        full, done = len(alloc.token_ids) // bs, len(alloc.hashes)
+        if full > done:
+            parent = alloc.hashes[-1] if alloc.hashes else None
+            alloc.hashes.extend(prefix_hashes(alloc.token_ids[done * bs : full * bs], bs,
+                                              self.hash_algo, self.hash_seed, parent=parent))
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
         """Grow a request by generated tokens; returns the ids of blocks added.
@@ -226,8 +236,9 @@ class BlockManager:
         new = self.pool.allocate(max(0, extra))
         alloc.blocks.extend(new)
         alloc.token_ids.extend(np.asarray(token_ids, dtype=np.int64).tolist())
+        self._extend_hashes(alloc)
         if alloc.state is BlockState.COMMITTED:
-            self._cache_full_blocks(alloc)
+            self._publish(alloc)
         return [b.block_id for b in new]
 
     def discard(self, request_id: str) -> list[int]:

@@ -39,12 +39,19 @@ def prefix_hashes(
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Chained hashes of every full block of ``token_ids`` (a partial tail is not hashed)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    tokens = np.asarray(token_ids, dtype="<i8")
     n_full = len(tokens) // block_size
-    rows = tokens[: n_full * block_size].reshape(n_full, block_size)
+    buf = tokens[: n_full * block_size].tobytes()
+    step = block_size * 8
     h = _root(algo, seed) if parent is None else parent
     out = []
-    for row in rows:  # each hash needs the previous one: inherently sequential
-        h = block_hash(h, row, algo, seed)
+    if algo == "xxh3_128":
+        digest = xxhash.xxh3_128_digest
+        for i in range(n_full):  # each hash needs the previous one: inherently sequential
+            h = digest(h + buf[i * step : (i + 1) * step], seed=seed)
+            out.append(h)
+        return out
+    for i in range(n_full):
+        h = block_hash(h, tokens[i * block_size : (i + 1) * block_size], algo, seed)
         out.append(h)
     return out

@@ -1,0 +1,50 @@
+"""The ``kvxfer`` command as a user runs it: a real process, exit codes, what it prints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kvxfer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "kvxfer"
+    cmd = [str(script)] if script.exists() else [shutil.which("kvxfer") or "kvxfer"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_check_config_prints_resolved_config() -> None:
+    r = kvxfer("check-config", "configs/decode.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "decode instance 'decode-0', valid" in r.stdout
+    assert "hash_algo: xxh3_128" in r.stdout  # defaults filled in
+    assert "block 16 tokens = 32,768 B" in r.stdout
+
+
+def test_check_config_refuses_with_field_path(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("role: decode\nengine_id: d\nparallel: {pp: 2, layer_partition: [1, 1]}\n")
+    r = kvxfer("check-config", "configs/prefill.yaml", str(bad))
+    assert r.returncode == 1
+    assert f"{bad}: parallel.layer_partition: expected entries summing to model.num_layers=4" in r.stderr
+    r = kvxfer("check-config", "configs/prefill.yaml", env={"KVXFER_CACHE__NUM_BLOCKS": "0"})
+    assert r.returncode == 1 and "configs/prefill.yaml: cache.num_blocks: Expected `int` >= 1" in r.stderr
+
+
+def test_launch_says_what_is_missing_and_starts_nothing() -> None:
+    r = kvxfer("launch", "configs/demo.yaml")
+    assert r.returncode == 2
+    assert "prefill instance 'prefill-0'" in r.stdout and "decode instance 'decode-0'" in r.stdout
+    assert "nothing was started" in r.stderr
+
+
+def test_version_and_usage() -> None:
+    r = kvxfer("--version")
+    assert r.returncode == 0 and r.stdout.startswith("kvxfer ")
+    r = kvxfer("no-such-command")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
