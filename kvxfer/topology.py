@@ -222,9 +222,16 @@ def readers_of(remote: ParallelLayout, remote_tp_rank: int, remote_pp_rank: int,
     """How many local ranks read from that remote rank: the done notices it waits for."""
     check_compatible(local, remote)
     target = remote.rank(remote_tp_rank, remote_pp_rank)
+    r_layers, r_heads = remote.layers_of(remote_pp_rank), remote.heads_of(remote_tp_rank)
     count = 0
     for lp in range(local.pp_size):
+        layers = local.layers_of(lp)
+        if max(layers.start, r_layers.start) >= min(layers.stop, r_layers.stop):
+            continue
         for lt in range(local.tp_size):
+            heads = local.heads_of(lt)
+            if max(heads.start, r_heads.start) >= min(heads.stop, r_heads.stop):
+                continue  # owns nothing this remote rank holds
             if any(s.remote_rank == target for s in remote_sources(local, lt, lp, remote)):
                 count += 1
     return count
