@@ -44,7 +44,8 @@ def oracle_heads(tp: int, rank: int, heads: int, mla: bool) -> list[int]:
 
 def oracle_cells(lay: ParallelLayout, tp_rank: int, pp_rank: int) -> set[tuple[int, int]]:
     layers = oracle_layers(lay.pp_size, pp_rank, lay.layer_partition)
-    return {(layer, h) for layer in layers for h in oracle_heads(lay.tp_size, tp_rank, lay.num_kv_heads, lay.mla)}
+    heads = oracle_heads(lay.tp_size, tp_rank, lay.num_kv_heads, lay.mla)
+    return {(layer, h) for layer in layers for h in heads}
 
 
 def layouts() -> list[ParallelLayout]:
@@ -135,7 +136,8 @@ def lay(tp: int, pp: int = 1, heads: int = 8, mla: bool = False, part: tuple[int
 
 def table(local: ParallelLayout, tp_rank: int, pp_rank: int, remote: ParallelLayout) -> list[tuple]:
     return [(s.remote_rank, (s.layers.start, s.layers.stop), (s.remote_heads.start, s.remote_heads.stop),
-             (s.local_heads.start, s.local_heads.stop)) for s in remote_sources(local, tp_rank, pp_rank, remote)]
+             (s.local_heads.start, s.local_heads.stop))
+            for s in remote_sources(local, tp_rank, pp_rank, remote)]
 
 
 def test_prefill_tp4_to_decode_tp2() -> None:
@@ -219,6 +221,7 @@ def test_incompatible_pairs_name_both_sides() -> None:
 
 
 def test_from_config() -> None:
-    cfg = InstanceConfig(role="decode", engine_id="d", model=ModelConfig(num_layers=6, num_kv_heads=2, num_heads=4),
+    cfg = InstanceConfig(role="decode", engine_id="d",
+                         model=ModelConfig(num_layers=6, num_kv_heads=2, num_heads=4),
                          parallel=ParallelConfig(tp=4, pp=2, layer_partition=[4, 2]))
     assert ParallelLayout.from_config(cfg) == lay(4, pp=2, heads=2, part=(4, 2), layers=6)
