@@ -91,8 +91,9 @@ def write_as_data_plane(cache: torch.Tensor, ids: list[int], remote: torch.Tenso
 
 @pytest.mark.parametrize(("remote_layout", "local_layout", "local_bs", "dtype"), CASES)
 @pytest.mark.parametrize("num_tokens", [REMOTE_BS * 4, REMOTE_BS * 4 - 5, 3])
+@pytest.mark.parametrize("chunk_bytes", [1 << 22, 1], ids=["one-chunk", "smallest-chunks"])
 def test_repack_inplace(remote_layout: str, local_layout: str, local_bs: int, dtype: torch.dtype,
-                        num_tokens: int) -> None:
+                        num_tokens: int, chunk_bytes: int) -> None:
     tokens = oracle_tokens(num_tokens, dtype)
     remote = blocks_from_tokens(tokens, REMOTE_BS, remote_layout, fill=9)  # stale bytes past the end
     num_blocks = 40
@@ -105,7 +106,8 @@ def test_repack_inplace(remote_layout: str, local_layout: str, local_bs: int, dt
     ids = torch.randperm(num_blocks, generator=gen)[:need].tolist()  # non-contiguous, unordered
     write_as_data_plane(cache, ids, remote, remote_layout, num_tokens)
     used = repack_inplace(cache, ids, remote_layout=remote_layout, local_layout=local_layout,
-                          remote_block_size=REMOTE_BS, local_block_size=local_bs, num_tokens=num_tokens)
+                          remote_block_size=REMOTE_BS, local_block_size=local_bs, num_tokens=num_tokens,
+                          chunk_bytes=chunk_bytes)
     assert used == math.ceil(num_tokens / local_bs)
     expect = blocks_from_tokens(tokens, local_bs, local_layout, fill=0)
     assert torch.equal(cache[ids[:used]], expect)

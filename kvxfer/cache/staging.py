@@ -1,8 +1,9 @@
 """Host staging: copy chosen blocks between a cache and packed host buffers.
 
 A data plane that cannot reach device memory moves blocks through host buffers.
-Each copy is one batched ``index_select`` / ``index_copy_`` per tensor (per layer, or
-one for a cross-layer cache), never a Python loop per block.
+Each copy is one batched gather or scatter per tensor (per layer, or one for a
+cross-layer cache; ``index_select`` / numpy row assignment / ``index_copy_``, see
+``blockcopy``), never a Python loop per block.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvxfer.cache.blockcopy import gather_rows, scatter_rows
 from kvxfer.cache.tensors import KVCache
 
 logger = logging.getLogger(__name__)
@@ -40,16 +42,12 @@ def gather_to_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
         out = host_buffers(cache, len(idx))
     if len(out) != len(cache.tensors):
         raise ValueError(f"out: expected {len(cache.tensors)} buffers, got {len(out)}")
-    dev_idx = idx.to(cache.device)
     for t, buf in zip(cache.tensors, out, strict=True):
         if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
             raise ValueError(f"out buffer {tuple(buf.shape)} {buf.dtype} cannot hold {len(idx)} "
                              f"blocks of {tuple(t.shape[1:])} {t.dtype}")
-        dst = buf[: len(idx)]
-        if t.device.type == "cpu":
-            torch.index_select(t, 0, dev_idx, out=dst)
-        else:
-            dst.copy_(torch.index_select(t, 0, dev_idx), non_blocking=True)
+    for t, buf in zip(cache.tensors, out, strict=True):
+        gather_rows(t, idx, out=buf)
     if cache.device.type == "cuda":
         torch.cuda.synchronize(cache.device)
     return out
@@ -65,8 +63,7 @@ def scatter_from_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
         if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
             raise ValueError(f"src buffer {tuple(buf.shape)} {buf.dtype} does not match "
                              f"{len(idx)} blocks of {tuple(t.shape[1:])} {t.dtype}")
-    dev_idx = idx.to(cache.device)
     for t, buf in zip(cache.tensors, src, strict=True):
-        t.index_copy_(0, dev_idx, buf[: len(idx)].to(t.device, non_blocking=True))
+        scatter_rows(t, idx, buf)
     if cache.device.type == "cuda":
         torch.cuda.synchronize(cache.device)
