@@ -19,6 +19,7 @@ from kvxfer.config import (
     read_yaml,
     to_yaml,
 )
+from kvxfer.connector import available_data_planes
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                 print("# derived:")
                 for line in describe_instance(cfg):
                     print("#" + line)
+                installed = available_data_planes()
+                if cfg.connector.name not in installed:
+                    print(f"# note: connector.name {cfg.connector.name!r} is not installed here "
+                          f"(installed: {', '.join(sorted(installed)) or 'none'})")
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             status = EXIT_CONFIG
