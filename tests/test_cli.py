@@ -24,8 +24,15 @@ def test_check_config_prints_resolved_config() -> None:
     assert "decode instance 'decode-0', valid" in r.stdout
     assert "hash_algo: xxh3_128" in r.stdout  # defaults filled in
     assert "block 16 tokens = 32,768 B" in r.stdout
-    # the demo names the tcp data plane, which is not built yet: say so instead of hiding it
-    assert "connector.name 'tcp' is not installed here (installed: local" in r.stdout
+
+
+
+def test_check_config_notes_a_connector_that_is_not_installed(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("role: decode\nengine_id: d\nconnector: {name: nope}\n")
+    r = kvxfer("check-config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "connector.name 'nope' is not installed here (installed: local" in r.stdout
 
 
 def test_check_config_refuses_with_field_path(tmp_path: Path) -> None:
