@@ -224,9 +224,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for bid in hits_before:
             if bid in self.lru:
                 self.lru.remove(bid)
-        new = alloc.new_block_ids
+        self._check_evictions(alloc.new_block_ids, cached_before, free_uncached)
+
+    def _check_evictions(self, new: list[int], cached_before: set[int], free_uncached: int) -> None:
+        """Uncached free blocks go first; cached ones are evicted least recently freed first."""
         evicted = [bid for bid in new if bid in cached_before]
-        # uncached free blocks go first; cached ones are evicted least recently freed first
         if evicted:
             assert len(new) - len(evicted) == free_uncached
         assert evicted == self.lru[: len(evicted)]
@@ -296,13 +298,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             new = self.bm.append_tokens(rid, tokens(n, 9000 + len(alloc.token_ids)))
         except ValueError:
             return
-        evicted = [bid for bid in new if bid in cached_before]
-        if evicted:
-            assert len(new) - len(evicted) == free_uncached
-        assert evicted == self.lru[: len(evicted)]
-        del self.lru[: len(evicted)]
-        for bid in evicted:
-            self.block_tokens.pop(bid, None)
+        self._check_evictions(new, cached_before, free_uncached)
         for i in range(full_before, len(alloc.token_ids) // BS):
             b = alloc.blocks[i]
             if b.block_hash is not None and self.bm.pool.cached.get(b.block_hash) is b:

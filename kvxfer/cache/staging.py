@@ -28,6 +28,16 @@ def _index(cache: KVCache, block_ids: Sequence[int] | torch.Tensor) -> torch.Ten
     return idx
 
 
+def _check_buffers(cache: KVCache, bufs: list[torch.Tensor], n: int, what: str) -> None:
+    """Refuse (before any copy) buffers that cannot hold ``n`` blocks of every tensor."""
+    if len(bufs) != len(cache.tensors):
+        raise ValueError(f"{what}: expected {len(cache.tensors)} buffers, got {len(bufs)}")
+    for t, buf in zip(cache.tensors, bufs, strict=True):
+        if buf.shape[0] < n or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+            raise ValueError(f"{what} buffer {tuple(buf.shape)} {buf.dtype} does not fit {n} "
+                             f"blocks of {tuple(t.shape[1:])} {t.dtype}")
+
+
 def host_buffers(cache: KVCache, num_blocks: int) -> list[torch.Tensor]:
     """Packed host buffers for ``num_blocks`` blocks of every tensor (pinned for CUDA)."""
     pin = cache.device.type == "cuda"
@@ -40,12 +50,7 @@ def gather_to_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
     idx = _index(cache, block_ids)
     if out is None:
         out = host_buffers(cache, len(idx))
-    if len(out) != len(cache.tensors):
-        raise ValueError(f"out: expected {len(cache.tensors)} buffers, got {len(out)}")
-    for t, buf in zip(cache.tensors, out, strict=True):
-        if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
-            raise ValueError(f"out buffer {tuple(buf.shape)} {buf.dtype} cannot hold {len(idx)} "
-                             f"blocks of {tuple(t.shape[1:])} {t.dtype}")
+    _check_buffers(cache, out, len(idx), "out")
     for t, buf in zip(cache.tensors, out, strict=True):
         gather_rows(t, idx, out=buf)
     if cache.device.type == "cuda":
@@ -57,12 +62,7 @@ def scatter_from_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
                       src: list[torch.Tensor]) -> None:
     """Write packed host buffers into blocks ``block_ids`` of every tensor."""
     idx = _index(cache, block_ids)
-    if len(src) != len(cache.tensors):
-        raise ValueError(f"src: expected {len(cache.tensors)} buffers, got {len(src)}")
-    for t, buf in zip(cache.tensors, src, strict=True):
-        if buf.shape[0] < len(idx) or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
-            raise ValueError(f"src buffer {tuple(buf.shape)} {buf.dtype} does not match "
-                             f"{len(idx)} blocks of {tuple(t.shape[1:])} {t.dtype}")
+    _check_buffers(cache, src, len(idx), "src")
     for t, buf in zip(cache.tensors, src, strict=True):
         scatter_rows(t, idx, buf)
     if cache.device.type == "cuda":
