@@ -134,7 +134,7 @@ class TimeoutsConfig(Config):
     handshake_retries: NonNegativeInt = 3
     transfer_s: PositiveFloat = 30.0
     lease_s: PositiveFloat = 30.0
-    abort_s: PositiveFloat = 120.0
+    abort_s: PositiveFloat = 600.0  # the longest a hold may live, renewals included
     reservation_s: PositiveFloat = 60.0
 
 

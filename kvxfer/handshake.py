@@ -1,0 +1,248 @@
+"""The ZMQ side channel: one server per producer rank, and a client with timeouts.
+
+Every exchange is one request frame and one reply frame (DEALER -> ROUTER), decoded by
+:mod:`kvxfer.protocol`. The handshake is a challenge-response so that, with a shared
+secret configured, a process without it learns nothing (no regions, no data address)
+and can neither read nor release anything:
+
+    client -> Hello(client_nonce)
+    server -> Challenge(server_nonce, server_proof = HMAC(secret, "server" | cn | sn))
+    client -> HandshakeRequest(proof = HMAC(secret, "client" | sn | cn))
+    server -> HandshakeResponse (metadata)
+
+Both sides then derive ``token = HMAC(secret, "token" | cn | sn)``, which later side-channel
+messages and data-plane connections carry. The secret never crosses the wire; see
+SECURITY notes in the README for what this does and does not protect.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import zmq
+
+from kvxfer.protocol import (
+    Challenge,
+    ErrorReply,
+    HandshakeRequest,
+    HandshakeResponse,
+    Hello,
+    Message,
+    ProtocolError,
+    decode_side,
+    encode,
+)
+from kvxfer.topology import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+NONCE_BYTES = 16
+
+
+class HandshakeError(RuntimeError):
+    """A handshake failed: the peer was unreachable, refused us, or is incompatible."""
+
+
+class AuthError(HandshakeError):
+    """The shared-secret proof did not verify."""
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, label + b"|" + b"|".join(parts), "sha256").digest()
+
+
+def read_secret(env_name: str | None) -> bytes | None:
+    """The shared secret from the environment variable the config names (None: auth off)."""
+    if env_name is None:
+        return None
+    value = os.environ.get(env_name)
+    if not value:
+        raise ValueError(f"connector.auth.secret_env: environment variable {env_name} is not set or empty")
+    return value.encode()
+
+
+class Authenticator:
+    """Server-side auth state: outstanding challenges and the tokens of completed handshakes."""
+
+    def __init__(self, secret: bytes | None, max_entries: int = 4096, challenge_ttl_s: float = 30.0) -> None:
+        self.secret = secret
+        self._challenges: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
+        self._tokens: OrderedDict[bytes, str] = OrderedDict()
+        self._max = max_entries
+        self._ttl = challenge_ttl_s
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret is not None
+
+    def challenge(self, hello: Hello) -> Challenge:
+        sn = secrets.token_bytes(NONCE_BYTES)
+        with self._lock:
+            self._challenges[sn] = (hello.client_nonce, time.monotonic() + self._ttl)
+            while len(self._challenges) > self._max:
+                self._challenges.popitem(last=False)
+        proof = _mac(self.secret, b"server", hello.client_nonce, sn) if self.secret else b""
+        return Challenge(server_nonce=sn, server_proof=proof)
+
+    def verify(self, req: HandshakeRequest) -> str | None:
+        """None if the request answers one of our challenges correctly; else why not."""
+        with self._lock:
+            entry = self._challenges.pop(req.server_nonce, None)
+        if entry is None or entry[1] < time.monotonic() or entry[0] != req.client_nonce:
+            return "unknown or expired challenge"
+        if self.secret is None:
+            return None
+        if not hmac.compare_digest(req.proof, _mac(self.secret, b"client", req.server_nonce, req.client_nonce)):
+            return "authentication failed"
+        token = _mac(self.secret, b"token", req.client_nonce, req.server_nonce)
+        with self._lock:
+            self._tokens[token] = req.engine_id
+            while len(self._tokens) > self._max:
+                self._tokens.popitem(last=False)
+        return None
+
+    def check_token(self, token: bytes) -> bool:
+        if self.secret is None:
+            return True
+        with self._lock:
+            return token in self._tokens
+
+
+Responder = Callable[[Message, str], Message | None]
+
+
+class SideChannelServer:
+    """A ROUTER socket served by one thread; ``responder`` answers each decoded message."""
+
+    def __init__(self, host: str, port: int, responder: Responder, name: str = "side-channel",
+                 max_message_bytes: int | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or (4 << 20) + 1024)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if port == 0:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        self.host = host
+        self._responder = responder
+        self._stop = threading.Event()
+        self._refused: set[tuple[str, str]] = set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as e:
+                if self._stop.is_set():
+                    break
+                logger.warning("side channel receive error: %s", e)
+                continue
+            if len(parts) != 3 or parts[1] != b"":
+                continue  # not a DEALER request frame; nothing to answer
+            identity, _, frame = parts
+            peer = identity.hex()
+            try:
+                msg = decode_side(frame)
+                reply = self._responder(msg, peer)
+            except ProtocolError as e:
+                self._log_refusal(peer, "bad_message", str(e))
+                reply = ErrorReply(code="bad_message", message=str(e))
+            except Exception as e:  # a bug in a handler must not kill the server
+                logger.exception("side channel handler failed for peer %s", peer)
+                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}")
+            if reply is not None:
+                try:
+                    self._sock.send_multipart([identity, b"", encode(reply)], zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    logger.warning("side channel reply to %s dropped: %s", peer, e)
+
+    def _log_refusal(self, peer: str, code: str, why: str) -> None:
+        key = (peer, code)
+        if key not in self._refused:  # once per peer and kind, so a flood cannot flood the log
+            self._refused.add(key)
+            logger.warning("side channel refused a message from peer %s: %s", peer, why)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+
+
+class SideChannelClient:
+    """Request/reply to side-channel servers, each call bounded by a timeout and retries."""
+
+    def __init__(self, timeout_s: float, retries: int) -> None:
+        self._ctx = zmq.Context.instance()
+        self.timeout_s = timeout_s
+        self.retries = retries
+
+    def request(self, host: str, port: int, msg: Message, timeout_s: float | None = None,
+                retries: int | None = None) -> Message:
+        """Send ``msg``, return the decoded reply; HandshakeError after the last attempt."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        attempts = 1 + (self.retries if retries is None else retries)
+        frame = encode(msg)
+        last = "no attempt"
+        for attempt in range(attempts):
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+                sock.send_multipart([b"", frame])
+                if sock.poll(int(timeout * 1000), zmq.POLLIN):
+                    parts = sock.recv_multipart()
+                    if len(parts) == 2 and parts[0] == b"":
+                        return decode_side(parts[1])
+                    last = "malformed reply"
+                else:
+                    last = f"no reply within {timeout:g}s"
+            except ProtocolError as e:
+                last = f"bad reply: {e}"
+            finally:
+                sock.close(linger=0)
+            if attempt + 1 < attempts:
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        raise HandshakeError(f"side channel {host}:{port}: {last} (after {attempts} attempt(s))")
+
+    def handshake(self, host: str, port: int, engine_id: str, rank: int, layout: ParallelLayout,
+                  secret: bytes | None) -> tuple[HandshakeResponse, bytes]:
+        """Challenge-response, then metadata. Returns (metadata, token)."""
+        cn = secrets.token_bytes(NONCE_BYTES)
+        reply = self.request(host, port, Hello(engine_id=engine_id, client_nonce=cn))
+        if isinstance(reply, ErrorReply):
+            raise HandshakeError(f"{host}:{port} refused the hello: {reply.code}: {reply.message}")
+        if not isinstance(reply, Challenge):
+            raise HandshakeError(f"{host}:{port}: expected a challenge, got {type(reply).__name__}")
+        sn = reply.server_nonce
+        if secret is not None and not hmac.compare_digest(reply.server_proof, _mac(secret, b"server", cn, sn)):
+            raise AuthError(f"{host}:{port} could not prove the shared secret")
+        proof = _mac(secret, b"client", sn, cn) if secret is not None else b""
+        req = HandshakeRequest(engine_id=engine_id, rank=rank, layout=layout, client_nonce=cn,
+                               server_nonce=sn, proof=proof)
+        reply = self.request(host, port, req, retries=0)
+        if isinstance(reply, ErrorReply):
+            cls = AuthError if reply.code == "auth" else HandshakeError
+            raise cls(f"{host}:{port} refused the handshake: {reply.code}: {reply.message}")
+        if not isinstance(reply, HandshakeResponse):
+            raise HandshakeError(f"{host}:{port}: expected handshake metadata, got {type(reply).__name__}")
+        token = _mac(secret, b"token", cn, sn) if secret is not None else b""
+        return reply, token

@@ -1,0 +1,257 @@
+"""Every message that crosses a process: msgspec Structs, msgpack encoded, one tagged union.
+
+Nothing from the network is unpickled: frames are size-checked, then decoded by msgspec
+into these types, which refuses anything else (unknown tags, wrong types, missing fields).
+``PROTOCOL_VERSION`` travels in every message; a peer with another version is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+import msgspec
+
+from kvxfer.topology import ParallelLayout
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 4 << 20  # side-channel frames; a handshake response is a few KiB
+MAX_READ_PIECES = 1 << 20  # descriptors in one data-plane read request
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class ProtocolError(ValueError):
+    """A frame was refused: too large, undecodable, or of the wrong version."""
+
+
+class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, frozen=True,
+              kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A registered region as a peer sees it (no address: the data plane resolves ids)."""
+
+    region_id: int
+    length: int
+    block_stride: int
+    num_blocks: int
+    layers: tuple[int, int]
+    kind: str
+
+
+class SpecInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The KV cache essentials two ranks must agree on, or repack between."""
+
+    num_layers: int  # layers this rank holds
+    first_layer: int
+    num_kv_heads: int  # heads this rank holds
+    head_size: int
+    block_size: int
+    dtype: str
+    layout: str
+    kv_split: bool
+    mla: bool
+    cross_layer: bool
+
+
+# ------------------------------------------------------------------ side channel
+
+class Hello(Message, tag="hello"):
+    """Client's first message; opens the challenge-response."""
+
+    engine_id: Id
+    client_nonce: Nonce
+
+
+class Challenge(Message, tag="challenge"):
+    """Server's nonce, and its proof that it knows the shared secret (empty without auth)."""
+
+    server_nonce: Nonce
+    server_proof: bytes = b""
+
+
+class HandshakeRequest(Message, tag="handshake"):
+    engine_id: Id
+    rank: int
+    layout: ParallelLayout
+    client_nonce: Nonce
+    server_nonce: Nonce
+    proof: bytes = b""  # HMAC(secret, client proof) when auth is on
+
+
+class HandshakeResponse(Message, tag="handshake_ok"):
+    engine_id: Id
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    generation: int
+    layout: ParallelLayout
+    spec: SpecInfo
+    regions: list[RegionInfo]
+    data_plane: str  # the connector name
+    data_address: bytes
+    compat_hash: str
+    model: str
+
+
+class DoneNotice(Message, tag="done"):
+    """A consumer rank read what it needed of a request (or was told to count as a reader)."""
+
+    request_id: Id
+    engine_id: Id  # the consumer's
+    rank: int  # the consumer's global rank
+    layout: ParallelLayout  # the consumer's, so the producer knows how many readers to expect
+    generation: int  # the producer's generation the consumer read from
+    token: bytes = b""
+
+
+class LeaseRenew(Message, tag="renew"):
+    """The consumer still means to read these requests; extend their holds."""
+
+    request_ids: Annotated[list[Id], msgspec.Meta(max_length=4096)]
+    generation: int
+    token: bytes = b""
+
+
+class Abandon(Message, tag="abandon"):
+    """The consumer will not read this request (dropped, or failed): free it now."""
+
+    request_id: Id
+    generation: int
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    token: bytes = b""
+
+
+class Ack(Message, tag="ack"):
+    pass
+
+
+class ErrorReply(Message, tag="error"):
+    code: str
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | DoneNotice | LeaseRenew | \
+    Abandon | Ack | ErrorReply
+
+
+# ------------------------------------------------------------------ data plane (socket framing)
+
+class ReadRequest(Message, tag="read"):
+    """Pieces the consumer wants, in the order it will receive them.
+
+    The three arrays are little-endian int64, packed (numpy ``tobytes``).
+    """
+
+    request_id: Id
+    batch_id: int
+    regions: bytes
+    offsets: bytes
+    lengths: bytes
+    token: bytes = b""
+
+
+class ReadReply(Message, tag="read_ok"):
+    """Precedes ``nbytes`` of raw data (ok) or nothing (error set)."""
+
+    batch_id: int
+    nbytes: int
+    error: str = ""
+
+
+class DataHello(Message, tag="data_hello"):
+    """First frame on a data connection: proves it belongs to an authenticated handshake."""
+
+    engine_id: Id
+    token: bytes = b""
+
+
+DataPlaneMessage = ReadRequest | ReadReply | DataHello | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_side_decoder = msgspec.msgpack.Decoder(SideChannelMessage)
+_data_decoder = msgspec.msgpack.Decoder(DataPlaneMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(frame: bytes | memoryview, decoder: msgspec.msgpack.Decoder, limit: int) -> Message:
+    if len(frame) > limit:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {limit}")
+    try:
+        msg = decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"undecodable message: {e}") from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.version}, expected {PROTOCOL_VERSION}")
+    return msg
+
+
+def decode_side(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one side-channel frame (size-checked, typed, version-checked)."""
+    return _decode(frame, _side_decoder, limit)
+
+
+def decode_data(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
+    """Decode one data-plane control frame."""
+    return _decode(frame, _data_decoder, limit)
+
+
+def compat_hash(model: str, num_layers: int, num_kv_heads: int, head_size: int, dtype: str, mla: bool) -> str:
+    """What two instances must share for their KV bytes to mean the same thing."""
+    key = f"{model}|{num_layers}|{num_kv_heads}|{head_size}|{dtype}|{mla}|v{PROTOCOL_VERSION}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+# ------------------------------------------------------------------ handed from prefill to decode
+
+class RemoteRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where one producer rank's side channel listens, and which registration it serves."""
+
+    rank: int
+    host: str
+    port: int
+    generation: int
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the prefill instance returns for a request and the router hands to decode."""
+
+    request_id: Id
+    engine_id: Id
+    num_tokens: int
+    block_ids: list[int]
+    block_size: int
+    layout: ParallelLayout
+    ranks: list[RemoteRank]
+    lease_s: float
+
+    def to_bytes(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVTransferParams:
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"params of {len(data)} bytes exceed the limit of {MAX_MESSAGE_BYTES}")
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"undecodable KVTransferParams: {e}") from None
+
+
+def merge_params(parts: list[KVTransferParams]) -> KVTransferParams:
+    """One instance-level params from the per-rank params its workers returned."""
+    if not parts:
+        raise ValueError("merge_params: no params")
+    first = parts[0]
+    for p in parts[1:]:
+        for f in ("request_id", "engine_id", "num_tokens", "block_ids", "block_size", "layout"):
+            if getattr(p, f) != getattr(first, f):
+                raise ValueError(f"merge_params: ranks disagree on {f}: {getattr(first, f)!r} vs {getattr(p, f)!r}")
+    ranks = sorted({r.rank: r for p in parts for r in p.ranks}.values(), key=lambda r: r.rank)
+    return msgspec.structs.replace(first, ranks=ranks)

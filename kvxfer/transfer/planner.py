@@ -1,0 +1,215 @@
+"""Descriptor planning: which bytes of which remote region go where in which local region.
+
+For one source slice (layers, remote heads, local heads from :mod:`kvxfer.topology`) and a
+request's block ids on both sides, the planner emits ``(remote region, offset, local region,
+offset, length)`` arrays with numpy, one vectorised pass per (layer, K/V), and coalesces
+pieces that are contiguous on both sides (consecutive block ids become one descriptor).
+
+Two kinds of plan:
+
+- direct, when both sides use one layout: bytes go straight to their final place. The unit
+  moved is the largest run contiguous on both sides: whole token runs of ``min(R, L)``
+  tokens when every head moves (NHD), one token's head slice when only some heads move
+  (NHD), or one head's token run (HND);
+- staged, when the layouts differ: the remote blocks land whole in a staging buffer in the
+  remote format, and :func:`finish_staged` rearranges them into the local blocks with
+  :func:`kvxfer.repack.to_local` and :func:`kvxfer.repack.place_heads`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvxfer.cache.tensors import KVCache
+from kvxfer.connector import Descriptors
+from kvxfer.protocol import RegionInfo, SpecInfo
+from kvxfer.repack import place_heads, to_local
+from kvxfer.topology import SourceSlice
+
+
+@dataclass(frozen=True)
+class SideLayout:
+    """What planning needs of one side: geometry and where each (layer, K/V) lives."""
+
+    layout: str
+    block_size: int
+    num_heads: int  # heads this rank holds
+    row_bytes: int  # one token of one head: storage head size x itemsize
+    kv_bytes: int  # one block of one layer's K (or V)
+    num_kv: int
+    first_layer: int
+    num_layers: int
+    cross_layer: bool
+    kv_split: bool
+    mla: bool
+    regions: dict[int, tuple[int, int]]  # region id -> (block_stride, length)
+    by_layer: dict[tuple[int, int], int]  # (layer, kv) -> region id
+
+    def locate(self, layer: int, kv: int) -> tuple[int, int, int]:
+        """(region id, byte offset of this layer/kv inside a block, block stride)."""
+        if self.cross_layer:
+            rid = next(iter(self.regions))
+            inner = ((layer - self.first_layer) * self.num_kv + kv) * self.kv_bytes
+        elif self.mla or not self.kv_split:
+            rid = self.by_layer[(layer, 0)]
+            inner = kv * self.kv_bytes
+        else:
+            rid = self.by_layer[(layer, kv)]
+            inner = 0
+        return rid, inner, self.regions[rid][0]
+
+    @classmethod
+    def build(cls, spec: SpecInfo, itemsize: int, storage_head_size: int,
+              regions: list[RegionInfo]) -> SideLayout:
+        by_layer: dict[tuple[int, int], int] = {}
+        for r in regions:
+            if r.kind == "V":
+                by_layer[(r.layers[0], 1)] = r.region_id
+            else:
+                by_layer[(r.layers[0], 0)] = r.region_id
+        row = storage_head_size * itemsize
+        return cls(
+            layout=spec.layout, block_size=spec.block_size, num_heads=spec.num_kv_heads, row_bytes=row,
+            kv_bytes=spec.block_size * spec.num_kv_heads * row, num_kv=1 if spec.mla else 2,
+            first_layer=spec.first_layer, num_layers=spec.num_layers, cross_layer=spec.cross_layer,
+            kv_split=spec.kv_split, mla=spec.mla,
+            regions={r.region_id: (r.block_stride, r.length) for r in regions}, by_layer=by_layer,
+        )
+
+
+def coalesce(rr: np.ndarray, ro: np.ndarray, lr: np.ndarray, lo: np.ndarray, ln: np.ndarray) -> Descriptors:
+    """Merge neighbours that continue each other on both sides (same regions, adjacent bytes)."""
+    if len(ln) == 0:
+        return Descriptors.from_rows([])
+    starts = np.ones(len(ln), dtype=bool)
+    starts[1:] = ~((rr[1:] == rr[:-1]) & (lr[1:] == lr[:-1])
+                   & (ro[1:] == ro[:-1] + ln[:-1]) & (lo[1:] == lo[:-1] + ln[:-1]))
+    idx = np.flatnonzero(starts)
+    lengths = np.add.reduceat(ln, idx)
+    return Descriptors(*(np.ascontiguousarray(a[idx]) for a in (rr, ro, lr, lo)), np.ascontiguousarray(lengths))
+
+
+def concat(parts: list[Descriptors]) -> Descriptors:
+    if not parts:
+        return Descriptors.from_rows([])
+    return Descriptors(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                         ("remote_region", "remote_offset", "local_region", "local_offset", "length")))
+
+
+def check_alignment(skip_tokens: int, remote_bs: int, local_bs: int) -> None:
+    unit = max(remote_bs, local_bs)
+    if skip_tokens % unit:
+        raise ValueError(
+            f"num_cached_tokens={skip_tokens} must be a multiple of both block sizes "
+            f"(remote {remote_bs}, local {local_bs}); pass the largest such prefix and fresh blocks for the rest"
+        )
+
+
+def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_blocks: np.ndarray,
+                local_blocks: np.ndarray, skip_tokens: int, num_tokens: int) -> Descriptors:
+    """Bytes straight into the local blocks; both sides use one layout."""
+    if remote.layout != local.layout:
+        raise ValueError("plan_direct needs one layout on both sides")
+    R, L = remote.block_size, local.block_size
+    nh = len(sl.remote_heads)
+    full = nh == remote.num_heads == local.num_heads
+    rowb = remote.row_bytes
+    parts: list[Descriptors] = []
+    if remote.layout == "NHD":
+        if full:  # token runs of min(R, L) tokens, every head at once
+            u = min(R, L)
+            p = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
+            n_tok = np.minimum(u, num_tokens - p)
+            r_in = (p % R) * remote.num_heads * rowb
+            l_in = (p % L) * local.num_heads * rowb
+            length = n_tok * remote.num_heads * rowb
+        else:  # one token's slice of heads
+            p = np.arange(skip_tokens, num_tokens, dtype=np.int64)
+            r_in = ((p % R) * remote.num_heads + sl.remote_heads.start) * rowb
+            l_in = ((p % L) * local.num_heads + sl.local_heads.start) * rowb
+            length = np.full(len(p), nh * rowb, dtype=np.int64)
+    else:  # HND: per head, token runs of min(R, L)
+        u = min(R, L)
+        p1 = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
+        h = np.arange(nh, dtype=np.int64)
+        hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
+        hh, p = hh.ravel(), p.ravel()
+        n_tok = np.minimum(u, num_tokens - p)
+        r_in = ((sl.remote_heads.start + hh) * R + p % R) * rowb
+        l_in = ((sl.local_heads.start + hh) * L + p % L) * rowb
+        length = n_tok * rowb
+    rblk = remote_blocks[p // R]
+    lblk = local_blocks[p // L]
+    for layer in sl.layers:
+        for kv in range(remote.num_kv):
+            r_rid, r_inner, r_stride = remote.locate(layer, kv)
+            l_rid, l_inner, l_stride = local.locate(layer, kv)
+            ro = rblk * r_stride + r_inner + r_in
+            lo = lblk * l_stride + l_inner + l_in
+            n = len(ro)
+            parts.append(coalesce(np.full(n, r_rid, dtype=np.int64), ro, np.full(n, l_rid, dtype=np.int64),
+                                  lo, length.astype(np.int64, copy=False)))
+    return concat(parts)
+
+
+@dataclass
+class StagedPlan:
+    """Remote blocks staged whole, in the remote format, for a layout change."""
+
+    staging: torch.Tensor  # uint8 [num (layer, kv) pairs, n_remote_blocks, remote kv_bytes]
+    region_id: int
+    pairs: list[tuple[int, int]]  # (layer, kv) in staging order
+    slice: SourceSlice
+    first_remote_block: int  # index into the request's remote block list
+    n_remote_blocks: int
+
+
+def plan_staged(remote: SideLayout, sl: SourceSlice, remote_blocks: np.ndarray, skip_tokens: int,
+                num_tokens: int, staging_region_id: int) -> tuple[Descriptors, StagedPlan]:
+    """Descriptors that copy whole remote blocks of the slice's layers into a staging tensor."""
+    R = remote.block_size
+    j0, j1 = skip_tokens // R, math.ceil(num_tokens / R)
+    n = j1 - j0
+    pairs = [(layer, kv) for layer in sl.layers for kv in range(remote.num_kv)]
+    staging = torch.zeros((len(pairs), n, remote.kv_bytes), dtype=torch.uint8)
+    rblk = remote_blocks[j0:j1]
+    parts = []
+    for i, (layer, kv) in enumerate(pairs):
+        r_rid, r_inner, r_stride = remote.locate(layer, kv)
+        ro = rblk * r_stride + r_inner
+        lo = (i * n + np.arange(n, dtype=np.int64)) * remote.kv_bytes
+        parts.append(coalesce(np.full(n, r_rid, dtype=np.int64), ro, np.full(n, staging_region_id, np.int64),
+                              lo, np.full(n, remote.kv_bytes, dtype=np.int64)))
+    return concat(parts), StagedPlan(staging, staging_region_id, pairs, sl, j0, n)
+
+
+def finish_staged(plan: StagedPlan, remote: SideLayout, cache: KVCache, local_blocks: np.ndarray,
+                  skip_tokens: int, num_tokens: int) -> None:
+    """Rearrange staged remote blocks into the local cache's blocks and head slice."""
+    spec = cache.spec
+    R, L = remote.block_size, spec.block_size
+    shape_r = ((R, remote.num_heads, -1) if remote.layout == "NHD" else (remote.num_heads, R, -1))
+    tokens = num_tokens - plan.first_remote_block * R  # positions from the first staged block
+    first_local = skip_tokens // L
+    m = math.ceil((num_tokens - skip_tokens) / L)
+    ids = torch.as_tensor(local_blocks[first_local : first_local + m], dtype=torch.int64)
+    head_dim = 2 if spec.layout == "NHD" else 1
+    full_heads = len(plan.slice.local_heads) == spec.num_kv_heads
+    for i, (layer, kv) in enumerate(plan.pairs):
+        staged = plan.staging[i].view(spec.torch_dtype).view(plan.n_remote_blocks, *shape_r)
+        blocks = to_local(staged, remote_layout=remote.layout, local_layout=spec.layout, remote_block_size=R,
+                          local_block_size=L, num_tokens=tokens)
+        blocks = blocks.narrow(head_dim, plan.slice.remote_heads.start, len(plan.slice.remote_heads))
+        k, v = cache.layer_kv(layer)
+        view = k if kv == 0 else v
+        assert view is not None
+        if full_heads:
+            view.index_copy_(0, ids, blocks.contiguous())
+        else:
+            cur = view.index_select(0, ids)
+            place_heads(cur, blocks.contiguous(), layout=spec.layout, local_heads=plan.slice.local_heads)
+            view.index_copy_(0, ids, cur)

@@ -1,0 +1,172 @@
+"""The producer side: holds on a request's blocks, and the rules for serving reads of them.
+
+A hold pins a request's blocks until every consumer rank that topology says will read this
+rank has sent a done notice, the consumer abandons the request, or the lease runs out. The
+lease starts at ``lease_s``; renewals (sent while the request waits in the decode queue) and
+reads push it out again, but never past ``abort_s`` after the hold began. Once a hold is
+released, reads for it are refused: its blocks may already hold another request's KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.connector import Descriptors
+from kvxfer.topology import ParallelLayout, readers_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Hold:
+    request_id: str
+    block_ids: np.ndarray
+    num_tokens: int
+    held_mask_cumsum: np.ndarray  # cumsum of a per-block "held" mask, for range checks
+    lease_deadline: float
+    abort_deadline: float
+    expected_readers: int | None = None
+    done_from: set[tuple[str, int]] = field(default_factory=set)
+
+
+class HoldRegistry:
+    """Holds of one producer rank; thread-safe (side channel, data plane and engine threads)."""
+
+    def __init__(self, layout: ParallelLayout, tp_rank: int, pp_rank: int, num_blocks: int,
+                 regions: dict[int, tuple[int, int]], lease_s: float, abort_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.num_blocks = num_blocks
+        self.regions = regions  # region id -> (block_stride, length)
+        self.lease_s = lease_s
+        self.abort_s = abort_s
+        self.clock = clock
+        self._holds: dict[str, Hold] = {}
+        self._released: list[str] = []
+        self._lock = threading.Lock()
+        self.refused_reads = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._holds)
+
+    def held_blocks(self) -> int:
+        with self._lock:
+            return sum(len(h.block_ids) for h in self._holds.values())
+
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> Hold:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise ValueError(f"request {request_id}: block_ids must be a non-empty list")
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
+            raise ValueError(f"request {request_id}: block ids must be in [0, {self.num_blocks}), "
+                             f"got min {int(ids.min())} max {int(ids.max())}")
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id}: num_tokens must be >= 1, got {num_tokens}")
+        mask = np.zeros(self.num_blocks + 1, dtype=np.int64)
+        mask[ids + 1] = 1
+        now = self.clock()
+        h = Hold(request_id, ids, num_tokens, np.cumsum(mask), now + self.lease_s, now + self.abort_s)
+        with self._lock:
+            if request_id in self._holds:
+                raise ValueError(f"request {request_id} is already held")
+            self._holds[request_id] = h
+        return h
+
+    def _release(self, request_id: str, why: str) -> bool:
+        """Caller holds the lock."""
+        if self._holds.pop(request_id, None) is None:
+            return False
+        self._released.append(request_id)
+        logger.debug("request %s: hold released (%s)", request_id, why)
+        return True
+
+    def release(self, request_id: str, why: str = "engine") -> bool:
+        with self._lock:
+            return self._release(request_id, why)
+
+    def on_done(self, request_id: str, consumer_engine: str, consumer_rank: int,
+                consumer_layout: ParallelLayout) -> str | None:
+        """Count a done notice; release once every expected reader has sent one."""
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is None:
+                return f"request {request_id} is not held"
+            if h.expected_readers is None:
+                h.expected_readers = readers_of(self.layout, self.tp_rank, self.pp_rank, consumer_layout)
+            h.done_from.add((consumer_engine, consumer_rank))
+            if len(h.done_from) >= h.expected_readers:
+                self._release(request_id, f"{len(h.done_from)} of {h.expected_readers} readers done")
+        return None
+
+    def renew(self, request_ids: Sequence[str]) -> int:
+        now = self.clock()
+        n = 0
+        with self._lock:
+            for rid in request_ids:
+                h = self._holds.get(rid)
+                if h is not None:
+                    h.lease_deadline = min(max(h.lease_deadline, now + self.lease_s), h.abort_deadline)
+                    n += 1
+        return n
+
+    def expire(self) -> list[str]:
+        """Release holds whose lease (or hard abort limit) passed."""
+        now = self.clock()
+        with self._lock:
+            late = [rid for rid, h in self._holds.items() if min(h.lease_deadline, h.abort_deadline) <= now]
+            for rid in late:
+                logger.warning("request %s: hold expired before its readers finished; blocks freed", rid)
+                self._release(rid, "lease expired")
+        return late
+
+    def take_released(self) -> list[str]:
+        with self._lock:
+            out, self._released = self._released, []
+        return out
+
+    def validate(self, request_id: str, d: Descriptors) -> str | None:
+        """Serve a read only inside registered regions and inside blocks held for the request."""
+        why = self._check(request_id, d)
+        if why is not None:
+            self.refused_reads += 1
+        return why
+
+    def _check(self, request_id: str, d: Descriptors) -> str | None:
+        if len(d) == 0:
+            return None
+        rids = d.remote_region
+        known = np.array(sorted(self.regions), dtype=np.int64)
+        pos = np.searchsorted(known, rids).clip(0, len(known) - 1)
+        if not (known[pos] == rids).all():
+            return f"region {int(rids[known[pos] != rids][0])} is not registered"
+        strides = np.array([self.regions[int(k)][0] for k in known], dtype=np.int64)[pos]
+        lengths = np.array([self.regions[int(k)][1] for k in known], dtype=np.int64)[pos]
+        start, end = d.remote_offset, d.remote_offset + d.length
+        if (end > lengths).any():
+            return "a piece runs past the end of its region"
+        first, last = start // strides, (end - 1) // strides
+        now = self.clock()
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is None:
+                return f"request {request_id} is not held (never held, released, or expired)"
+            if min(h.lease_deadline, h.abort_deadline) <= now:
+                return f"request {request_id}: hold expired"
+            cs = h.held_mask_cumsum
+            held = (cs[last + 1] - cs[first]) == (last - first + 1)
+            if not held.all():
+                i = int(np.flatnonzero(~held)[0])
+                return (f"request {request_id}: blocks {int(first[i])}..{int(last[i])} of region "
+                        f"{int(rids[i])} are not held for it")
+            # a read in progress keeps the hold alive
+            h.lease_deadline = min(max(h.lease_deadline, now + self.lease_s), h.abort_deadline)
+        return None
