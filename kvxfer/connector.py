@@ -1,155 +1,244 @@
-"""The data-plane interface connectors implement, and their discovery by entry point.
+"""The engine-facing connector API.
 
-Connectors register in the ``kvxfer.connectors`` entry-point group exactly as a
-third-party plugin would; the core never imports a connector module by name.
+``Connector`` is what an engine calls; ``DataPlane`` (from :mod:`kvxfer.dataplane`, re-exported
+here) is what a connector plugin implements. Data planes are found through the
+``kvxfer.connectors`` entry-point group; the core never imports one by module name.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
-from typing import ClassVar
+import secrets
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvxfer.cache.tensors import MemoryRegion
-from kvxfer.config import DataPlaneValue
+from kvxfer.cache.spec import spec_from_config
+from kvxfer.cache.tensors import KVCache
+from kvxfer.config import InstanceConfig
+from kvxfer.dataplane import (
+    ENTRY_POINT_GROUP,
+    BatchResult,
+    DataPlane,
+    Descriptors,
+    ReadValidator,
+    TokenChecker,
+    available_data_planes,
+    check_bounds,
+    load_data_plane,
+)
+from kvxfer.handshake import Authenticator, SideChannelClient, SideChannelServer, read_secret
+from kvxfer.protocol import (
+    Abandon,
+    Ack,
+    DoneNotice,
+    ErrorReply,
+    HandshakeRequest,
+    HandshakeResponse,
+    Hello,
+    KVTransferParams,
+    LeaseRenew,
+    Message,
+    RemoteRank,
+    compat_hash,
+)
+from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.aggregator import Finished, FinishedAggregator
+from kvxfer.transfer.consumer import Consumer
+from kvxfer.transfer.planner import region_info, spec_info
+from kvxfer.transfer.producer import HoldRegistry
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "BatchResult", "Connector", "DataPlane", "Descriptors", "Finished", "FinishedAggregator",
+    "KVTransferParams", "ReadValidator", "TokenChecker", "available_data_planes", "check_bounds", "load_data_plane",
+]
 
 logger = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "kvxfer.connectors"
 
+class Connector:
+    """What an engine rank calls: hold blocks for readers (producer) and load them (consumer).
 
-@dataclass(frozen=True)
-class Descriptors:
-    """A batch of ``(remote region, offset, local region, offset, length)`` copies, as arrays."""
+    One per rank process. ``from_config`` finds the data plane by name through the
+    ``kvxfer.connectors`` entry points. Threads and sockets start in ``register_kv_caches``
+    and stop in ``close``.
+    """
 
-    remote_region: np.ndarray
-    remote_offset: np.ndarray
-    local_region: np.ndarray
-    local_offset: np.ndarray
-    length: np.ndarray
-
-    def __post_init__(self) -> None:
-        arrays = (self.remote_region, self.remote_offset, self.local_region, self.local_offset, self.length)
-        n = len(self.length)
-        for a in arrays:
-            if a.ndim != 1 or len(a) != n or a.dtype != np.int64:
-                raise ValueError("Descriptors: expected five 1-d int64 arrays of one length")
-        if n and (self.length.min() <= 0 or self.remote_offset.min() < 0 or self.local_offset.min() < 0):
-            raise ValueError("Descriptors: lengths must be > 0 and offsets >= 0")
-
-    def __len__(self) -> int:
-        return len(self.length)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
+    def __init__(self, config: InstanceConfig, rank: int, data_plane: DataPlane,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
+        if config.connector.mode != "pull":
+            raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
+        self.config = config
+        self.rank = rank
+        self.tp_rank = rank % config.parallel.tp
+        self.pp_rank = rank // config.parallel.tp
+        self.layout = ParallelLayout.from_config(config)
+        self.plane = data_plane
+        self.plane.engine_id = config.engine_id  # type: ignore[attr-defined]
+        self.clock = clock
+        self.secret = read_secret(config.connector.auth.secret_env if config.connector.auth else None)
+        self.generation = secrets.randbits(62)
+        t = config.connector.timeouts
+        self.client = SideChannelClient(t.handshake_s, t.handshake_retries)
+        self.cache: KVCache | None = None
+        self.holds: HoldRegistry | None = None
+        self.consumer: Consumer | None = None
+        self.server: SideChannelServer | None = None
+        self.auth = Authenticator(self.secret)
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> Descriptors:
-        a = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
-        return cls(*(np.ascontiguousarray(a[:, i]) for i in range(5)))
+    def from_config(cls, config: InstanceConfig, rank: int = 0) -> Connector:
+        plane_cls = load_data_plane(config.connector.name)
+        options = dict(config.connector.data_plane)
+        if plane_cls.name == "tcp":
+            options.setdefault("host", config.connector.side_channel.host)
+            options.setdefault("timeout_s", config.connector.timeouts.transfer_s)
+        return cls(config, rank, plane_cls(options))
 
-
-def check_bounds(regions: Mapping[int, MemoryRegion], region_ids: np.ndarray,
-                 offsets: np.ndarray, lengths: np.ndarray) -> str | None:
-    """Why a set of (region, offset, length) pieces falls outside ``regions``, or None."""
-    if not len(lengths):
-        return None
-    known = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
-    sizes = np.fromiter((r.length for r in regions.values()), dtype=np.int64, count=len(regions))
-    order = np.argsort(known)
-    known, sizes = known[order], sizes[order]
-    pos = np.searchsorted(known, region_ids).clip(0, max(len(known) - 1, 0))
-    registered = (known[pos] == region_ids) if len(known) else np.zeros(len(region_ids), bool)
-    if not registered.all():
-        bad = int(region_ids[~registered][0])
-        return f"region {bad} is not registered"
-    ends = offsets + lengths
-    past = ends > sizes[pos]
-    if past.any():
-        i = int(np.flatnonzero(past)[0])
-        return (f"piece [{int(offsets[i])}, {int(ends[i])}) is past the end of region "
-                f"{int(region_ids[i])} ({int(sizes[pos][i])} bytes)")
-    return None
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """The outcome of one ``read`` batch: ``error`` is None on success."""
-
-    batch_id: int
-    peer_id: str
-    request_id: str
-    nbytes: int
-    error: str | None = None
+    # ------------------------------------------------------------------ both sides
+    def register_kv_caches(self, cache: KVCache) -> None:
+        """Register this rank's cache with the data plane and start serving the side channel."""
+        if self.cache is not None:
+            raise RuntimeError("register_kv_caches: already registered")
+        expect = spec_from_config(self.config, self.pp_rank)
+        got = cache.spec
+        for f in ("num_layers", "first_layer", "num_kv_heads", "head_size", "block_size", "dtype", "mla"):
+            if getattr(expect, f) != getattr(got, f):
+                raise ValueError(f"register_kv_caches: cache {f}={getattr(got, f)!r} but the config gives "
+                                 f"{getattr(expect, f)!r} for rank {self.rank}")
+        self.plane.register(cache.regions)
+        self.cache = cache
+        t = self.config.connector.timeouts
+        self.holds = HoldRegistry(self.layout, self.tp_rank, self.pp_rank, cache.num_blocks,
+                                  {r.region_id: (r.block_stride, r.length) for r in cache.regions},
+                                  t.lease_s, t.abort_s, self.clock)
+        self.plane.set_read_validator(self.holds.validate)
+        if self.secret is not None:
+            self.plane.set_token_checker(self.auth.check_token)
+        sc = self.config.connector.side_channel
+        port = sc.port + self.rank if sc.port else 0
+        self.server = SideChannelServer(sc.host, port, self._respond, name=f"kvxfer-side-{self.rank}")
+        if self.config.role in ("decode", "both"):
+            self.consumer = Consumer(self.config.engine_id, self.rank, self.layout, self.tp_rank, self.pp_rank,
+                                     cache, self.plane, self.client, self.secret, self.config.model.name,
+                                     t.transfer_s, t.lease_s, self.clock)
+        logger.info("rank %d registered %d regions (%.1f MiB); side channel %s:%d", self.rank,
+                    len(cache.regions), cache.nbytes / 2**20, sc.host, self.server.port)
 
     @property
-    def ok(self) -> bool:
-        return self.error is None
+    def side_channel_port(self) -> int:
+        if self.server is None:
+            raise RuntimeError("not registered")
+        return self.server.port
 
+    def poll(self) -> Finished:
+        """Non-blocking: holds released, loads finished, loads failed (with invalid block ids)."""
+        out = Finished()
+        if self.holds is not None:
+            self.holds.expire()
+            out.sending.extend(self.holds.take_released())
+        if self.consumer is not None:
+            out.extend(self.consumer.poll())
+        return out
 
-ReadValidator = Callable[[str, Descriptors], str | None]
-"""Called on the serving side with (request id, descriptors in its own regions); returns a
-refusal reason, or None to allow the read."""
+    def stats(self) -> dict[str, float]:
+        s: dict[str, float] = {}
+        if self.holds is not None:
+            s.update(held_requests=len(self.holds), held_blocks=self.holds.held_blocks(),
+                     refused_reads=self.holds.refused_reads)
+        if self.consumer is not None:
+            c = self.consumer.stats
+            s.update(loads_ok=c.loads_ok, loads_failed=c.loads_failed, bytes_received=c.bytes,
+                     descriptors=c.descriptors, handshakes=c.handshakes, handshake_s=c.handshake_s)
+        return s
 
-
-class DataPlane(ABC):
-    """Moves bytes between registered regions of two ranks; never interprets them."""
-
-    name: ClassVar[str]
-
-    def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
-        self.options = dict(options or {})
-
-    @abstractmethod
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
-        """Make ``regions`` readable by peers (and writable by this rank's reads)."""
-
-    @abstractmethod
-    def address(self) -> bytes:
-        """What a peer needs to connect, published in the handshake."""
-
-    @abstractmethod
-    def connect(self, peer_id: str, address: bytes) -> None:
-        """Open a path to the peer whose ``address()`` this is."""
-
-    @abstractmethod
-    def set_read_validator(self, validator: ReadValidator) -> None:
-        """Serving side: every incoming read is checked by ``validator`` before it is served."""
-
-    @abstractmethod
-    def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
-        """Start copying remote pieces into local regions; returns a batch id."""
-
-    @abstractmethod
-    def poll(self) -> list[BatchResult]:
-        """Batches finished since the last call (non-blocking)."""
-
-    @abstractmethod
     def close(self) -> None:
-        """Stop every thread and socket this data plane started."""
+        if self.consumer is not None:
+            self.consumer.close()
+        if self.server is not None:
+            self.server.close()
+        self.plane.close()
 
-
-def available_data_planes() -> dict[str, EntryPoint]:
-    """Installed data planes by name, from the ``kvxfer.connectors`` entry-point group."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def load_data_plane(name: str) -> type[DataPlane]:
-    """The DataPlane class registered under ``name``; an unknown name lists the installed ones."""
-    found = available_data_planes()
-    if name not in found:
-        installed = ", ".join(sorted(found)) or "none"
-        raise ValueError(
-            f"connector.name: no data plane {name!r} in entry-point group "
-            f"{ENTRY_POINT_GROUP!r}; installed: {installed}"
+    # ------------------------------------------------------------------ producer
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams:
+        """Pin a finished prompt's blocks for the decode side; returns what it needs to read them."""
+        if self.holds is None or self.server is None or self.cache is None:
+            raise RuntimeError("hold: register_kv_caches first")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        need = -(-num_tokens // self.cache.spec.block_size)
+        if len(ids) < need:
+            raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} blocks, got {len(ids)}")
+        self.holds.hold(request_id, ids[:need], num_tokens)
+        sc = self.config.connector.side_channel
+        return KVTransferParams(
+            request_id=request_id, engine_id=self.config.engine_id, num_tokens=num_tokens,
+            block_ids=ids[:need].tolist(), block_size=self.cache.spec.block_size, layout=self.layout,
+            ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
+            lease_s=self.config.connector.timeouts.lease_s,
         )
-    cls = found[name].load()
-    if not (isinstance(cls, type) and issubclass(cls, DataPlane)):
-        raise TypeError(f"entry point {name!r} ({found[name].value}) is not a DataPlane subclass")
-    return cls
+
+    def release(self, request_id: str) -> bool:
+        """The engine frees a hold itself (e.g. the request was cancelled)."""
+        return self.holds.release(request_id, "released by the engine") if self.holds is not None else False
+
+    def _respond(self, msg: Message, peer: str) -> Message:
+        holds, cache = self.holds, self.cache
+        assert holds is not None and cache is not None
+        if isinstance(msg, Hello):
+            return self.auth.challenge(msg)
+        if isinstance(msg, HandshakeRequest):
+            why = self.auth.verify(msg)
+            if why is not None:
+                logger.warning("side channel: refused handshake from %s (%s): %s", msg.engine_id, peer, why)
+                return ErrorReply(code="auth", message=why)
+            mine, theirs = self.layout, msg.layout
+            for f in ("num_layers", "num_kv_heads", "mla"):
+                if getattr(mine, f) != getattr(theirs, f):
+                    return ErrorReply(code="incompatible", message=f"{f}: producer {getattr(mine, f)!r}, "
+                                      f"consumer {getattr(theirs, f)!r}")
+            spec = cache.spec
+            return HandshakeResponse(
+                engine_id=self.config.engine_id, rank=self.rank, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                generation=self.generation, layout=self.layout, spec=spec_info(spec),
+                regions=[region_info(r) for r in cache.regions], data_plane=self.plane.name,
+                data_address=self.plane.address(),
+                compat_hash=compat_hash(self.config.model.name, self.layout.num_layers, self.layout.num_kv_heads,
+                                        spec.head_size, spec.dtype, spec.mla),
+                model=self.config.model.name,
+            )
+        if isinstance(msg, DoneNotice | LeaseRenew | Abandon):
+            if not self.auth.check_token(msg.token):
+                return ErrorReply(code="auth", message="no valid handshake token")
+            if msg.generation != self.generation:
+                return ErrorReply(code="stale_generation", message=f"this rank serves generation {self.generation}")
+            if isinstance(msg, DoneNotice):
+                why = holds.on_done(msg.request_id, msg.engine_id, msg.rank, msg.layout)
+                return ErrorReply(code="unknown_request", message=why) if why else Ack()
+            if isinstance(msg, LeaseRenew):
+                holds.renew(msg.request_ids)
+                return Ack()
+            holds.release(msg.request_id, f"abandoned by the consumer: {msg.reason}")
+            return Ack()
+        return ErrorReply(code="unexpected", message=f"{type(msg).__name__} is not a request this server answers")
+
+    # ------------------------------------------------------------------ consumer
+    def _consumer(self) -> Consumer:
+        if self.consumer is None:
+            raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
+        return self.consumer
+
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
+                   num_cached_tokens: int = 0) -> None:
+        """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
+        self._consumer().start_load(request_id, params, local_block_ids, num_cached_tokens)
+
+    def wait(self, request_id: str, params: KVTransferParams) -> None:
+        """The request is queued here: renew its producer holds until it is loaded or abandoned."""
+        self._consumer().wait(request_id, params)
+
+    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
+        """The request will not be loaded: the producers free its blocks at once."""
+        self._consumer().abandon(request_id, params, reason)

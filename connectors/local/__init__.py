@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
-from kvxfer.connector import BatchResult, DataPlane, Descriptors, ReadValidator, check_bounds
+from kvxfer.dataplane import BatchResult, DataPlane, Descriptors, ReadValidator, check_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class LocalDataPlane(DataPlane):
         self._results: list[BatchResult] = []
         self._batch_ids = itertools.count()
         self._closed = False
+        self._on_complete = None
         _PLANES[self._address] = self
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -50,10 +51,17 @@ class LocalDataPlane(DataPlane):
                 raise ValueError(f"region {r.region_id} is already registered")
         self._regions.update({r.region_id: r for r in regions})
 
+    def unregister(self, region_ids: Sequence[int]) -> None:
+        for rid in region_ids:
+            self._regions.pop(rid, None)
+
+    def set_completion_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        self._on_complete = callback
+
     def address(self) -> bytes:
         return self._address
 
-    def connect(self, peer_id: str, address: bytes) -> None:
+    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
         peer = _PLANES.get(address)
         if peer is None or peer._closed:
             raise ConnectionError(f"peer {peer_id}: no local data plane at {address!r} in this process")
@@ -92,6 +100,8 @@ class LocalDataPlane(DataPlane):
                 ctypes.memmove(dst_base[lr] + lo, src_base[rr] + ro, n)
         nbytes = d.nbytes if error is None else 0
         self._results.append(BatchResult(batch_id, peer_id, request_id, nbytes, error))
+        if self._on_complete is not None:
+            self._on_complete()
         return batch_id
 
     def poll(self) -> list[BatchResult]:

@@ -24,11 +24,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvxfer.cache.tensors import KVCache
-from kvxfer.connector import Descriptors
+from kvxfer.cache.spec import QUANT_HEADER_BYTES, TORCH_DTYPES, KVCacheSpec
+from kvxfer.cache.tensors import KVCache, MemoryRegion
+from kvxfer.dataplane import Descriptors
 from kvxfer.protocol import RegionInfo, SpecInfo
 from kvxfer.repack import place_heads, to_local
 from kvxfer.topology import SourceSlice
+
+
+def spec_info(s: KVCacheSpec) -> SpecInfo:
+    """The essentials of a rank's spec as sent in the handshake."""
+    return SpecInfo(num_layers=s.num_layers, first_layer=s.first_layer, num_kv_heads=s.num_kv_heads,
+                    head_size=s.head_size, block_size=s.block_size, dtype=s.dtype, layout=s.layout,
+                    kv_split=s.kv_split, mla=s.mla, cross_layer=s.cross_layer)
+
+
+def region_info(r: MemoryRegion) -> RegionInfo:
+    return RegionInfo(region_id=r.region_id, length=r.length, block_stride=r.block_stride, num_blocks=r.num_blocks,
+                      layers=r.layers, kind=r.kind)
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,15 @@ class SideLayout:
             rid = self.by_layer[(layer, kv)]
             inner = 0
         return rid, inner, self.regions[rid][0]
+
+    @classmethod
+    def from_cache(cls, cache: KVCache) -> SideLayout:
+        return cls.from_remote(spec_info(cache.spec), [region_info(r) for r in cache.regions])
+
+    @classmethod
+    def from_remote(cls, spec: SpecInfo, regions: list[RegionInfo]) -> SideLayout:
+        storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
+        return cls.build(spec, TORCH_DTYPES[spec.dtype].itemsize, storage, regions)
 
     @classmethod
     def build(cls, spec: SpecInfo, itemsize: int, storage_head_size: int,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.connector import Descriptors
+from kvxfer.dataplane import Descriptors
 from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)

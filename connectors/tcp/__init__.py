@@ -1,0 +1,475 @@
+"""The ``tcp`` data plane: reads served with scatter-gather ``sendmsg`` over memoryviews of
+the registered tensors, received with ``recvmsg_into`` straight into the destination blocks.
+
+No intermediate bytes objects on either end. Each read request is split by bytes over
+``streams`` connections per peer, each served by its own thread. When both ends run on one
+host the connection is a Unix domain socket (``transport: auto``), which measured faster
+than loopback TCP on these machines (6 vs 3-4.7 GB/s for one stream).
+
+Options (``connector.data_plane``): ``streams`` (default 2), ``transport`` (auto, tcp, unix),
+``timeout_s`` (per read batch; the connector passes ``timeouts.transfer_s``), ``host`` and
+``port`` (where the server listens; default the side-channel host and an ephemeral port).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvxfer.cache.tensors import MemoryRegion
+from kvxfer.config import DataPlaneValue
+from kvxfer.dataplane import BatchResult, DataPlane, Descriptors, ReadValidator, TokenChecker, check_bounds
+from kvxfer.protocol import MAX_READ_PIECES, DataHello, ReadReply, ReadRequest, decode_data, encode
+
+logger = logging.getLogger(__name__)
+
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+MAX_FRAME = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
+_LEN = struct.Struct("!I")
+OPTIONS = {"streams", "transport", "timeout_s", "host", "port"}
+
+
+class Address(msgspec.Struct, frozen=True):
+    host: str
+    port: int
+    unix_path: str
+    host_id: str  # same value on both ends: the Unix socket is reachable
+
+
+def _host_id() -> str:
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()  # noqa: SIM115
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _region_view(r: MemoryRegion) -> memoryview:
+    return memoryview((ctypes.c_char * r.length).from_address(r.address)).cast("B")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return buf
+
+
+def send_frame(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(_LEN.pack(len(frame)) + frame)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytearray:
+    (n,) = _LEN.unpack(_recv_exact(sock, 4))
+    if n > limit:
+        raise ConnectionError(f"frame of {n} bytes exceeds the limit of {limit}")
+    return _recv_exact(sock, n)
+
+
+def send_pieces(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendmsg in groups of IOV_MAX buffers, resuming after partial sends."""
+    i = 0
+    pending: list[memoryview] = []
+    while i < len(views) or pending:
+        while len(pending) < IOV_MAX and i < len(views):
+            pending.append(views[i])
+            i += 1
+        sent = sock.sendmsg(pending)
+        while sent:
+            first = pending[0]
+            if sent >= len(first):
+                sent -= len(first)
+                pending.pop(0)
+            else:
+                pending[0] = first[sent:]
+                sent = 0
+
+
+def recv_pieces(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+    """recvmsg_into in groups of IOV_MAX buffers until every view is full, or the deadline."""
+    i = 0
+    pending: list[memoryview] = []
+    while i < len(views) or pending:
+        while len(pending) < IOV_MAX and i < len(views):
+            pending.append(views[i])
+            i += 1
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("read did not complete within the batch time limit")
+        sock.settimeout(remaining)
+        got = sock.recvmsg_into(pending)[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer mid-transfer")
+        while got:
+            first = pending[0]
+            if got >= len(first):
+                got -= len(first)
+                pending.pop(0)
+            else:
+                pending[0] = first[got:]
+                got = 0
+
+
+@dataclass
+class _Job:
+    batch_id: int
+    part: int
+    request_id: str
+    regions: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    views: list[memoryview]
+    deadline: float
+
+
+@dataclass
+class _Batch:
+    batch_id: int
+    peer_id: str
+    request_id: str
+    nbytes: int
+    parts_left: int
+    error: str | None = None
+
+
+class _Stream:
+    """One connection to a peer, driven by its own thread from a job queue."""
+
+    def __init__(self, plane: TcpDataPlane, peer_id: str, address: Address, token: bytes, index: int) -> None:
+        self.plane = plane
+        self.peer_id = peer_id
+        self.address = address
+        self.token = token
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name=f"tcp-{peer_id}-{index}", daemon=True)
+        self.thread.start()
+
+    def _connect(self) -> socket.socket:
+        a = self.address
+        use_unix = self.plane.transport == "unix" or (
+            self.plane.transport == "auto" and a.unix_path and a.host_id == self.plane.host_id
+            and os.path.exists(a.unix_path))
+        if use_unix:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.plane.timeout_s)
+            s.connect(a.unix_path)
+        else:
+            s = socket.create_connection((a.host, a.port), timeout=self.plane.timeout_s)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_frame(s, encode(DataHello(engine_id=self.plane.engine_id, token=self.token)))
+        return s
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            try:
+                if self.sock is None:
+                    self.sock = self._connect()
+                self._do(self.sock, job)
+                self.plane._part_done(job, None)
+            except (OSError, ConnectionError, TimeoutError, ValueError) as e:
+                self._drop()
+                self.plane._part_done(job, f"peer {self.peer_id}: {type(e).__name__}: {e}")
+        self._drop()
+
+    def _do(self, sock: socket.socket, job: _Job) -> None:
+        req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
+                          offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
+        sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
+        send_frame(sock, encode(req))
+        reply = decode_data(recv_frame(sock))
+        if not isinstance(reply, ReadReply) or reply.batch_id != job.batch_id:
+            raise ConnectionError(f"unexpected reply {type(reply).__name__}")
+        if reply.error:
+            raise ValueError(f"read refused: {reply.error}")
+        if reply.nbytes != int(job.lengths.sum()):
+            raise ConnectionError(f"reply announces {reply.nbytes} bytes, expected {int(job.lengths.sum())}")
+        recv_pieces(sock, job.views, job.deadline)
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # unblocks a recv in progress
+            except OSError:
+                pass
+        self.thread.join(timeout=5)
+
+
+class TcpDataPlane(DataPlane):
+    """Scatter-gather socket reads between registered host regions of two processes."""
+
+    name = "tcp"
+
+    def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
+        super().__init__(options)
+        unknown = set(self.options) - OPTIONS
+        if unknown:
+            raise ValueError(f"connector.data_plane: unknown option(s) {sorted(unknown)} for tcp; "
+                             f"known: {sorted(OPTIONS)}")
+        self.streams = int(self.options.get("streams", 2))
+        self.transport = str(self.options.get("transport", "auto"))
+        self.timeout_s = float(self.options.get("timeout_s", 30.0))
+        if self.streams < 1 or self.streams > 16:
+            raise ValueError(f"connector.data_plane.streams: expected 1..16, got {self.streams}")
+        if self.transport not in ("auto", "tcp", "unix"):
+            raise ValueError(f"connector.data_plane.transport: expected auto, tcp or unix, got {self.transport!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"connector.data_plane.timeout_s: expected > 0, got {self.timeout_s}")
+        self.engine_id = "kvxfer"  # the Connector sets its engine id; sent in each connection's hello
+        self._on_complete: Callable[[], None] | None = None
+        self.host_id = _host_id()
+        self._regions: dict[int, MemoryRegion] = {}
+        self._views: dict[int, memoryview] = {}
+        self._validator: ReadValidator | None = None
+        self._token_checker: TokenChecker | None = None
+        self._peers: dict[str, tuple[Address, bytes]] = {}
+        self._streams: dict[str, list[_Stream]] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._results: list[BatchResult] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._refused: set[tuple[str, str]] = set()
+        self._server_threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._start_server(str(self.options.get("host", "127.0.0.1")), int(self.options.get("port", 0)))
+
+    # ------------------------------------------------------------------ server
+    def _start_server(self, host: str, port: int) -> None:
+        self._tcp = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self._unix_path = os.path.join(tempfile.gettempdir(), f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._unix.bind(self._unix_path)
+        os.chmod(self._unix_path, 0o600)
+        self._unix.listen(64)
+        self._address = Address(host=host, port=self._tcp.getsockname()[1], unix_path=self._unix_path,
+                                host_id=self.host_id)
+        for srv in (self._tcp, self._unix):
+            t = threading.Thread(target=self._accept_loop, args=(srv,), name="tcp-accept", daemon=True)
+            t.start()
+            self._server_threads.append(t)
+
+    def _accept_loop(self, srv: socket.socket) -> None:
+        srv.settimeout(0.2)
+        while not self._closed.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            conn.settimeout(None)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+
+    def _refuse_once(self, peer: str, why: str) -> None:
+        key = (peer, why.split(":")[0])
+        if key not in self._refused:
+            self._refused.add(key)
+            logger.warning("tcp data plane refused peer %s: %s", peer, why)
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = "?"
+        try:
+            conn.settimeout(self.timeout_s)
+            hello = decode_data(recv_frame(conn, limit=4096))
+            if not isinstance(hello, DataHello):
+                raise ConnectionError("first frame is not a hello")
+            peer = hello.engine_id
+            if self._token_checker is not None and not self._token_checker(hello.token):
+                self._refuse_once(peer, "connection without a valid handshake token: closed")
+                return
+            conn.settimeout(None)
+            while not self._closed.is_set():
+                req = decode_data(recv_frame(conn))
+                if not isinstance(req, ReadRequest):
+                    raise ConnectionError(f"expected a read request, got {type(req).__name__}")
+                self._serve_read(conn, peer, req)
+        except (OSError, ConnectionError, ValueError) as e:
+            if not self._closed.is_set() and not isinstance(e, ConnectionError | ConnectionResetError):
+                self._refuse_once(peer, f"connection dropped: {e}")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_read(self, conn: socket.socket, peer: str, req: ReadRequest) -> None:
+        arrays = [np.frombuffer(b, dtype="<i8") for b in (req.regions, req.offsets, req.lengths)]
+        n = len(arrays[0])
+        why = None
+        if any(len(a) != n for a in arrays) or n > MAX_READ_PIECES:
+            why = "malformed read request"
+        elif n and ((arrays[2] <= 0).any() or (arrays[1] < 0).any()):
+            why = "lengths must be > 0 and offsets >= 0"
+        else:
+            regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
+            zeros = np.zeros(n, dtype=np.int64)
+            d = Descriptors(regions, offsets, zeros, zeros, lengths)
+            why = check_bounds(self._regions, regions, offsets, lengths)
+            if why is None and self._validator is not None:
+                why = self._validator(req.request_id, d)
+        if why is not None:
+            self._refuse_once(peer, f"read for {req.request_id}: {why}")
+            send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=0, error=why)))
+            return
+        views = self._views
+        pieces = [views[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
+                                                         strict=True)]
+        send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=int(lengths.sum()))))
+        send_pieces(conn, pieces)
+
+    # ------------------------------------------------------------------ DataPlane
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        for r in regions:
+            if r.device != "cpu":
+                raise ValueError(f"region {r.region_id}: the tcp data plane moves host memory; got {r.device} "
+                                 "(stage device caches through host buffers)")
+            if r.region_id in self._regions:
+                raise ValueError(f"region {r.region_id} is already registered")
+        for r in regions:
+            self._views[r.region_id] = _region_view(r)
+            self._regions[r.region_id] = r
+
+    def unregister(self, region_ids: Sequence[int]) -> None:
+        for rid in region_ids:
+            self._regions.pop(rid, None)
+            self._views.pop(rid, None)
+
+    def address(self) -> bytes:
+        return msgspec.msgpack.encode(self._address)
+
+    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
+        try:
+            addr = msgspec.msgpack.decode(address, type=Address)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ConnectionError(f"peer {peer_id}: bad tcp address: {e}") from None
+        with self._lock:
+            if peer_id in self._peers:
+                return
+            self._peers[peer_id] = (addr, token)
+            self._streams[peer_id] = [_Stream(self, peer_id, addr, token, i) for i in range(self.streams)]
+
+    def disconnect(self, peer_id: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_id, None)
+            streams = self._streams.pop(peer_id, [])
+        for s in streams:
+            s.close()
+
+    def set_read_validator(self, validator: ReadValidator) -> None:
+        self._validator = validator
+
+    def set_token_checker(self, checker: TokenChecker) -> None:
+        self._token_checker = checker
+
+    def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
+        batch_id = next(self._ids)
+        d = descriptors
+        with self._lock:
+            streams = self._streams.get(peer_id)
+        why = None if streams else f"peer {peer_id} is not connected"
+        if why is None:
+            why = check_bounds(self._regions, d.local_region, d.local_offset, d.length)
+        if why is not None or len(d) == 0:
+            with self._lock:
+                self._results.append(BatchResult(batch_id, peer_id, request_id, 0, why))
+            if self._on_complete is not None:
+                self._on_complete()
+            return batch_id
+        assert streams is not None
+        # split by bytes into one contiguous share per stream
+        cum = np.cumsum(d.length)
+        bounds = np.searchsorted(cum, cum[-1] * np.arange(1, len(streams)) / len(streams), side="left")
+        cuts = [0, *sorted(set(int(b) + 1 for b in bounds if 0 <= b < len(d) - 1)), len(d)]
+        parts = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+        deadline = time.monotonic() + self.timeout_s
+        batch = _Batch(batch_id, peer_id, request_id, d.nbytes, len(parts))
+        with self._lock:
+            self._batches[batch_id] = batch
+        views = self._views
+        for i, (a, b) in enumerate(parts):
+            lv = [views[r][o : o + k] for r, o, k in zip(d.local_region[a:b].tolist(), d.local_offset[a:b].tolist(),
+                                                         d.length[a:b].tolist(), strict=True)]
+            job = _Job(batch_id, i, request_id, d.remote_region[a:b], d.remote_offset[a:b], d.length[a:b], lv,
+                       deadline)
+            streams[i % len(streams)].jobs.put(job)
+        return batch_id
+
+    def _part_done(self, job: _Job, error: str | None) -> None:
+        with self._lock:
+            b = self._batches.get(job.batch_id)
+            if b is None:
+                return
+            if error and b.error is None:
+                b.error = error
+            b.parts_left -= 1
+            if b.parts_left == 0:
+                del self._batches[job.batch_id]
+                self._results.append(BatchResult(b.batch_id, b.peer_id, b.request_id,
+                                                 b.nbytes if b.error is None else 0, b.error))
+        if self._on_complete is not None:
+            self._on_complete()
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:
+        self._on_complete = callback
+
+    def poll(self) -> list[BatchResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        for peer in list(self._streams):
+            self.disconnect(peer)
+        for srv in (self._tcp, self._unix):
+            srv.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._server_threads:
+            t.join(timeout=5)
+        try:
+            os.unlink(self._unix_path)
+        except OSError:
+            pass

@@ -1,0 +1,177 @@
+"""The data-plane interface connectors implement, and their discovery by entry point.
+
+Connectors register in the ``kvxfer.connectors`` entry-point group exactly as a
+third-party plugin would; the core never imports a connector module by name.
+``kvxfer.connector`` re-exports everything here beside the engine-facing ``Connector``.
+
+Contract for implementations:
+- serve only registered regions, and only reads the validator allows;
+- every ``read`` reports exactly one ``BatchResult`` through ``poll``, ok or failed, within
+  the data plane's own time limit; after reporting, it never touches the destination again;
+- with a token checker set, a connection that does not present a valid token is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import ClassVar
+
+import numpy as np
+
+from kvxfer.cache.tensors import MemoryRegion
+from kvxfer.config import DataPlaneValue
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kvxfer.connectors"
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """A batch of ``(remote region, offset, local region, offset, length)`` copies, as arrays."""
+
+    remote_region: np.ndarray
+    remote_offset: np.ndarray
+    local_region: np.ndarray
+    local_offset: np.ndarray
+    length: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrays = (self.remote_region, self.remote_offset, self.local_region, self.local_offset, self.length)
+        n = len(self.length)
+        for a in arrays:
+            if a.ndim != 1 or len(a) != n or a.dtype != np.int64:
+                raise ValueError("Descriptors: expected five 1-d int64 arrays of one length")
+        if n and (self.length.min() <= 0 or self.remote_offset.min() < 0 or self.local_offset.min() < 0):
+            raise ValueError("Descriptors: lengths must be > 0 and offsets >= 0")
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> Descriptors:
+        a = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        return cls(*(np.ascontiguousarray(a[:, i]) for i in range(5)))
+
+
+def check_bounds(regions: Mapping[int, MemoryRegion], region_ids: np.ndarray,
+                 offsets: np.ndarray, lengths: np.ndarray) -> str | None:
+    """Why a set of (region, offset, length) pieces falls outside ``regions``, or None."""
+    if not len(lengths):
+        return None
+    known = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
+    sizes = np.fromiter((r.length for r in regions.values()), dtype=np.int64, count=len(regions))
+    order = np.argsort(known)
+    known, sizes = known[order], sizes[order]
+    pos = np.searchsorted(known, region_ids).clip(0, max(len(known) - 1, 0))
+    registered = (known[pos] == region_ids) if len(known) else np.zeros(len(region_ids), bool)
+    if not registered.all():
+        bad = int(region_ids[~registered][0])
+        return f"region {bad} is not registered"
+    ends = offsets + lengths
+    past = ends > sizes[pos]
+    if past.any():
+        i = int(np.flatnonzero(past)[0])
+        return (f"piece [{int(offsets[i])}, {int(ends[i])}) is past the end of region "
+                f"{int(region_ids[i])} ({int(sizes[pos][i])} bytes)")
+    return None
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The outcome of one ``read`` batch: ``error`` is None on success."""
+
+    batch_id: int
+    peer_id: str
+    request_id: str
+    nbytes: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+ReadValidator = Callable[[str, Descriptors], str | None]
+"""Called on the serving side with (request id, descriptors whose ``remote_*`` fields are in
+the server's own regions); returns a refusal reason, or None to allow the read."""
+
+TokenChecker = Callable[[bytes], bool]
+"""Called on the serving side with the token a new connection presents."""
+
+
+class DataPlane(ABC):
+    """Moves bytes between registered regions of two ranks; never interprets them."""
+
+    name: ClassVar[str]
+
+    def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
+        self.options = dict(options or {})
+
+    @abstractmethod
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Make ``regions`` readable by peers (and writable by this rank's reads)."""
+
+    @abstractmethod
+    def address(self) -> bytes:
+        """What a peer needs to connect, published in the handshake."""
+
+    @abstractmethod
+    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
+        """Open a path to the peer whose ``address()`` this is, presenting ``token``."""
+
+    def disconnect(self, peer_id: str) -> None:  # noqa: B027 - optional for simple planes
+        """Forget a peer (it restarted, or failed); later reads to it fail."""
+
+    @abstractmethod
+    def set_read_validator(self, validator: ReadValidator) -> None:
+        """Serving side: every incoming read is checked by ``validator`` before it is served."""
+
+    def set_token_checker(self, checker: TokenChecker) -> None:  # noqa: B027
+        """Serving side: refuse connections whose token ``checker`` rejects."""
+
+    def unregister(self, region_ids: Sequence[int]) -> None:  # noqa: B027
+        """Stop serving and writing these regions (temporary staging areas)."""
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
+        """Called (from any thread) whenever a batch finishes, so a waiter need not poll."""
+
+    @abstractmethod
+    def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
+        """Start copying remote pieces into local regions; returns a batch id."""
+
+    @abstractmethod
+    def poll(self) -> list[BatchResult]:
+        """Batches finished since the last call (non-blocking)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every thread and socket this data plane started."""
+
+
+def available_data_planes() -> dict[str, EntryPoint]:
+    """Installed data planes by name, from the ``kvxfer.connectors`` entry-point group."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_data_plane(name: str) -> type[DataPlane]:
+    """The DataPlane class registered under ``name``; an unknown name lists the installed ones."""
+    found = available_data_planes()
+    if name not in found:
+        installed = ", ".join(sorted(found)) or "none"
+        raise ValueError(
+            f"connector.name: no data plane {name!r} in entry-point group "
+            f"{ENTRY_POINT_GROUP!r}; installed: {installed}"
+        )
+    cls = found[name].load()
+    if not (isinstance(cls, type) and issubclass(cls, DataPlane)):
+        raise TypeError(f"entry point {name!r} ({found[name].value}) is not a DataPlane subclass")
+    return cls

@@ -1,0 +1,1 @@
+"""The transfer core: descriptor planning, producer holds, consumer loads, aggregation."""
