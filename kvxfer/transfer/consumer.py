@@ -168,6 +168,7 @@ class Consumer:
         """The request waits in the decode queue: keep its producer holds alive until loaded."""
         with self._lock:
             self._waiting[request_id] = params
+        self._jobs.put(("renew", None))  # renew now: the lease may be short and half spent
 
     def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
         """The request will not be loaded: tell the producers to free it now."""
@@ -202,13 +203,15 @@ class Consumer:
             if kind == "load":
                 assert isinstance(obj, Load)
                 self._begin(obj)
+            elif kind == "renew":
+                next_renew = self.clock()
             for res in self.plane.poll():
                 self._on_batch(res)
             now = self.clock()
             self._check_deadlines(now)
             if now >= next_renew:
                 self._renew_waiting()
-                next_renew = now + self.lease_s / 3
+                next_renew = now + self._renew_interval()
 
     def _peer(self, engine_id: str, r: RemoteRank, params: KVTransferParams) -> Peer:
         key = (engine_id, r.rank)
@@ -368,6 +371,12 @@ class Consumer:
     def _token_for(self, engine_id: str, r: RemoteRank) -> bytes:
         peer = self._peers.get((engine_id, r.rank))
         return peer.token if peer is not None and peer.meta.generation == r.generation else b""
+
+    def _renew_interval(self) -> float:
+        """A third of the shortest lease among waiting requests (the producer's, from params)."""
+        with self._lock:
+            leases = [p.lease_s for p in self._waiting.values()]
+        return min([self.lease_s, *leases]) / 3
 
     def _renew_waiting(self) -> None:
         with self._lock:

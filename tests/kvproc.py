@@ -1,0 +1,194 @@
+"""Producer and consumer rank processes for the transfer tests (real processes, real sockets).
+
+Every KV value is a known function of (layer, K/V, token, global head, dim), so a consumer
+can check what arrived without trusting anything the producer says.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+
+from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.config import InstanceConfig
+from kvxfer.connector import Connector
+from kvxfer.protocol import KVTransferParams
+from kvxfer.topology import ParallelLayout
+
+GARBAGE = -7.0
+
+
+def value(layer: int, kv: int, tokens: torch.Tensor, heads: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
+    """Exact in float32: distinct per (layer, kv, token, head, dim)."""
+    t, h, d = torch.meshgrid(tokens, heads, dims, indexing="ij")
+    return (((layer * 2 + kv) * 4096 + t) * 16 + h) * 64 + d + 0.0
+
+
+def owned_heads(cfg: InstanceConfig, tp_rank: int) -> torch.Tensor:
+    lay = ParallelLayout.from_config(cfg)
+    return torch.tensor(list(lay.heads_of(tp_rank)))
+
+
+def blocks_of(tokens: torch.Tensor, block_size: int, layout: str) -> torch.Tensor:
+    """[n*block_size, heads, dim] token-major -> [n, *block] in ``layout``."""
+    n = tokens.shape[0] // block_size
+    b = tokens.reshape(n, block_size, *tokens.shape[1:])
+    return b.transpose(1, 2).contiguous() if layout == "HND" else b
+
+
+def fill(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], num_tokens: int,
+         first_token: int = 0, garbage_before: int = 0) -> None:
+    """Write the oracle's values for tokens [0, num_tokens) into ``block_ids`` (token order);
+    positions past the end, and the first ``garbage_before`` tokens, hold GARBAGE."""
+    spec = cache.spec
+    bs = spec.block_size
+    heads = owned_heads(cfg, tp_rank)
+    dims = torch.arange(spec.head_size)
+    n = len(block_ids)
+    tok = torch.arange(first_token, first_token + n * bs)
+    ids = torch.tensor(block_ids)
+    for layer in spec.layers:
+        for kv in range(spec.num_kv):
+            v = value(layer, kv, tok, heads, dims)
+            v[tok >= num_tokens] = GARBAGE
+            v[tok < garbage_before] = GARBAGE
+            view = cache.layer_kv(layer)[kv]
+            view.index_copy_(0, ids, blocks_of(v, bs, spec.layout).to(view.dtype))
+
+
+def check(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], num_tokens: int) -> str | None:
+    """None if the blocks hold exactly the oracle's values for tokens [0, num_tokens)."""
+    spec = cache.spec
+    bs = spec.block_size
+    heads = owned_heads(cfg, tp_rank)
+    dims = torch.arange(spec.head_size)
+    n = math.ceil(num_tokens / bs)
+    ids = torch.tensor(block_ids[:n])
+    tok = torch.arange(n * bs)
+    for layer in spec.layers:
+        for kv in range(spec.num_kv):
+            got = cache.layer_kv(layer)[kv].index_select(0, ids)
+            if spec.layout == "HND":
+                got = got.transpose(1, 2)
+            got = got.reshape(n * bs, *got.shape[2:])[:num_tokens].float()
+            want = value(layer, kv, tok, heads, dims)[:num_tokens]
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()[0].tolist()
+                return f"layer {layer} kv {kv}: first mismatch at (token, head, dim) {bad}: got " \
+                       f"{got[tuple(bad)].item()} want {want[tuple(bad)].item()}"
+    return None
+
+
+def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
+                  env: dict[str, str] | None = None, fill_mode: str = "oracle") -> None:
+    """Hold the given requests ``(id, blocks, num_tokens[, garbage_before])``, send their params,
+    then answer commands until told to stop. ``fill_mode`` "ones" skips the oracle (big caches)."""
+    import os
+
+    os.environ.update(env or {})
+    try:
+        cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
+        tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
+        cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
+        c = Connector.from_config(cfg, rank)
+        c.register_kv_caches(cache)
+        params = []
+        if fill_mode == "ones":
+            for t in cache.tensors:
+                t.fill_(1)
+        for rid, blocks, ntok, *rest in requests:
+            if fill_mode == "oracle":
+                fill(cache, cfg, tp_rank, blocks, ntok, garbage_before=rest[0] if rest else 0)
+            params.append(c.hold(rid, blocks, ntok).to_bytes())
+        conn.send(("params", params, c.side_channel_port))
+        released: list[str] = []
+        while True:
+            if conn.poll(0.02):
+                cmd = conn.recv()
+                if cmd == "stop":
+                    break
+                if cmd == "released":
+                    conn.send(("released", list(released)))
+                elif cmd == "stats":
+                    conn.send(("stats", c.stats()))
+            released.extend(c.poll().sending)
+        c.close()
+        conn.send(("closed", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks: list[int], conn: Any,
+                  num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
+                  env: dict[str, str] | None = None, signal_first_write: bool = False) -> None:
+    """Load one request, check it against the oracle, report (status, detail, elapsed).
+
+    With ``signal_first_write`` it also says ("writing",) as soon as the first block changes."""
+    import os
+
+    os.environ.update(env or {})
+    try:
+        cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
+        tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
+        params = KVTransferParams.from_bytes(params_bytes)
+        cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
+        if num_cached_tokens:  # a local prefix hit: these blocks already hold the right values
+            nb = num_cached_tokens // cfg.cache.block_size
+            fill(cache, cfg, tp_rank, local_blocks[:nb], num_cached_tokens)
+        c = Connector.from_config(cfg, rank)
+        c.register_kv_caches(cache)
+        if wait_s:
+            c.wait(params.request_id, params)
+            time.sleep(wait_s)
+        conn.send(("started", None))
+        t0 = time.monotonic()
+        c.start_load(params.request_id, params, local_blocks, num_cached_tokens)
+        result: tuple[str, Any, float] | None = None
+        first = cache.tensors[0][local_blocks[0]]
+        while time.monotonic() - t0 < timeout_s:
+            if signal_first_write and bool(first.any()):
+                conn.send(("writing", None))
+                signal_first_write = False
+            f = c.poll()
+            if params.request_id in f.receiving:
+                why = check(cache, cfg, tp_rank, local_blocks, params.num_tokens)
+                result = ("ok" if why is None else "mismatch", why, time.monotonic() - t0)
+                break
+            if params.request_id in f.failed:
+                result = ("failed", (f.failed[params.request_id], f.errors.get(params.request_id, "")),
+                          time.monotonic() - t0)
+                break
+            time.sleep(0.001 if signal_first_write else 0.005)
+        if result is None:
+            result = ("hung", None, time.monotonic() - t0)
+        time.sleep(0.2)  # let the done notices go out before closing
+        c.close()
+        conn.send(("result", *result))
+    except Exception:
+        conn.send(("error", traceback.format_exc(), 0.0))
+
+
+CTX = mp.get_context("spawn")
+
+
+def start(target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Run ``target(*args, pipe_end, **kwargs)`` in a fresh (spawned) process."""
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=target, args=(*args, child), kwargs=kwargs, daemon=True)
+    p.start()
+    return p, parent
+
+
+def recv(conn: Any, timeout: float = 60.0) -> tuple:
+    if not conn.poll(timeout):
+        raise TimeoutError("child process did not answer")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"child failed:\n{msg[1]}")
+    return msg

@@ -1,0 +1,259 @@
+"""End-to-end transfers between real producer and consumer processes over real sockets:
+bit-exact arrival across layouts, block sizes and TP/PP shapes, and the failure contract."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from kvproc import consumer_main, producer_main, recv, start
+
+from kvxfer.config import (
+    AuthConfig,
+    CacheConfig,
+    ConnectorConfig,
+    InstanceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SideChannelConfig,
+    TimeoutsConfig,
+)
+from kvxfer.handshake import AuthError, SideChannelClient
+from kvxfer.protocol import KVTransferParams, merge_params
+from kvxfer.topology import ParallelLayout
+
+NTOK = 100  # not a multiple of any block size used: the last block is partly filled
+P_BLOCKS = [7, 3, 12, 13, 14, 40, 2, 21, 22, 23, 50, 51, 60]  # scattered, with some runs
+D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
+
+
+def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
+             mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
+             secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128) -> InstanceConfig:
+    heads = 1 if mla else 4
+    return InstanceConfig(
+        role=role, engine_id=engine,
+        model=ModelConfig(num_layers=4, num_kv_heads=heads, num_heads=8, head_size=head_size, mla=mla),
+        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, layout=layout),
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        connector=ConnectorConfig(
+            name=connector, side_channel=SideChannelConfig(host="127.0.0.1", port=0),
+            timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
+                                    abort_s=max(600.0, transfer_s)),
+            auth=AuthConfig(secret_env=secret_env) if secret_env else None,
+        ),
+    )
+
+
+def enc(cfg: InstanceConfig) -> bytes:
+    return msgspec.json.encode(cfg)
+
+
+class Producers:
+    """Producer rank processes holding one request each; stopped on exit."""
+
+    def __init__(self, cfg: InstanceConfig, requests: list[tuple], env: dict[str, str] | None = None,
+                 fill_mode: str = "oracle") -> None:
+        self.procs: list[tuple[Any, Any]] = []
+        parts: dict[str, list[KVTransferParams]] = {}
+        for rank in range(cfg.world_size):
+            p, conn = start(producer_main, enc(cfg), rank, requests, env=env, fill_mode=fill_mode)
+            self.procs.append((p, conn))
+        for _, conn in self.procs:
+            _, params, _port = recv(conn)
+            for raw in params:
+                kp = KVTransferParams.from_bytes(raw)
+                parts.setdefault(kp.request_id, []).append(kp)
+        self.params = {rid: merge_params(ps) for rid, ps in parts.items()}
+
+    def released(self, rank: int = 0) -> list[str]:
+        _, conn = self.procs[rank]
+        conn.send("released")
+        return recv(conn)[1]
+
+    def wait_released(self, rid: str, timeout: float = 10.0) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if all(rid in self.released(r) for r in range(len(self.procs))):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        for p, conn in self.procs:
+            if p.is_alive():
+                try:
+                    conn.send("stop")
+                except (BrokenPipeError, OSError):
+                    pass
+        for p, _ in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> Producers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def consume(cfg: InstanceConfig, params: KVTransferParams, blocks: list[int] | None = None,
+            **kw: Any) -> list[tuple]:
+    """Run every rank of a consumer instance; returns each rank's (status, detail, elapsed)."""
+    procs = [start(consumer_main, enc(cfg), rank, params.to_bytes(), blocks or D_BLOCKS, **kw)
+             for rank in range(cfg.world_size)]
+    out = []
+    for p, conn in procs:
+        recv(conn, 60)  # started
+        out.append(recv(conn, 90)[1:])
+        p.join(timeout=10)
+    return out
+
+
+CASES = {
+    "same layout": ({}, {}),
+    "HND->NHD": ({"layout": "HND"}, {}),
+    "NHD->HND": ({}, {"layout": "HND"}),
+    "block 16->64": ({}, {"bs": 64}),
+    "block 64->16": ({"bs": 64}, {}),
+    "HND 16 -> NHD 64": ({"layout": "HND"}, {"bs": 64}),
+    "prefill TP2 -> decode TP1": ({"tp": 2}, {}),
+    "prefill TP1 -> decode TP2": ({}, {"tp": 2}),
+    "prefill PP2 -> decode PP1": ({"pp": 2}, {}),
+    "prefill TP2 -> decode TP1 HND": ({"tp": 2, "layout": "HND"}, {"layout": "HND"}),
+    "MLA, prefill TP2 -> decode TP1": ({"mla": True, "tp": 2}, {"mla": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bit_exact_transfer(case: str) -> None:
+    pkw, dkw = CASES[case]
+    pcfg, dcfg = make_cfg("prefill", "P", **pkw), make_cfg("decode", "D", **dkw)
+    pbs = pcfg.cache.block_size
+    blocks = P_BLOCKS[: -(-NTOK // pbs)]
+    with Producers(pcfg, [("req", blocks, NTOK)]) as prod:
+        results = consume(dcfg, prod.params["req"])
+        for status, detail, _ in results:
+            assert status == "ok", (status, detail)
+        assert prod.wait_released("req"), "every producer rank frees the blocks once its readers are done"
+
+
+def test_partial_prefix_hit_moves_only_the_suffix() -> None:
+    pcfg, dcfg = make_cfg("prefill", "P"), make_cfg("decode", "D")
+    blocks = P_BLOCKS[:7]
+    # the producer's first 32 tokens are garbage: a consumer that read them would fail the check
+    with Producers(pcfg, [("req", blocks, NTOK, 32), ("control", blocks, NTOK, 32)]) as prod:
+        (status, detail, _), = consume(dcfg, prod.params["req"], num_cached_tokens=32)
+        assert status == "ok", detail
+        # and without the prefix hit the garbage does arrive: the check can tell
+        (status, detail, _), = consume(dcfg, prod.params["control"])
+        assert status == "mismatch", detail
+
+
+def test_read_of_blocks_not_held_is_refused() -> None:
+    pcfg, dcfg = make_cfg("prefill", "P"), make_cfg("decode", "D")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        forged = msgspec.structs.replace(prod.params["req"], block_ids=[100, 101, 102, 103, 104, 105, 106])
+        (status, (invalid, why), _), = consume(dcfg, forged)
+        assert status == "failed"
+        assert invalid == D_BLOCKS[:7]
+        assert "not held" in why
+        stats = prod.procs[0][1]
+        stats.send("stats")
+        assert recv(stats)[1]["refused_reads"] >= 1
+
+
+def test_read_after_lease_expired_is_refused_and_reported() -> None:
+    pcfg, dcfg = make_cfg("prefill", "P", lease_s=0.5), make_cfg("decode", "D")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        time.sleep(1.2)
+        assert "req" in prod.released(), "the producer frees the blocks when the lease runs out"
+        (status, (invalid, why), _), = consume(dcfg, prod.params["req"])
+        assert status == "failed" and invalid == D_BLOCKS[:7]
+        assert "not held" in why  # never served from blocks that may have been reused
+
+
+def test_lease_renewal_keeps_a_queued_request_held() -> None:
+    # the lease must outlast spawning the consumer process; the queue wait is then 2.5 leases
+    pcfg, dcfg = make_cfg("prefill", "P", lease_s=3.0), make_cfg("decode", "D")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        (status, detail, _), = consume(dcfg, prod.params["req"], wait_s=7.5)
+        assert status == "ok", detail
+        assert prod.wait_released("req")
+
+
+def test_consumer_that_never_reads_lets_the_producer_free() -> None:
+    pcfg = make_cfg("prefill", "P", lease_s=0.4)
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        assert prod.wait_released("req", timeout=5.0)
+
+
+def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout() -> None:
+    ntok = 64 * 1024  # 512 MiB of KV: the kill lands while bytes are moving
+    pcfg = make_cfg("prefill", "P", head_size=64, num_blocks=4100, transfer_s=5.0)
+    dcfg = make_cfg("decode", "D", head_size=64, num_blocks=4200, transfer_s=5.0)
+    pb = list(range(ntok // 16))
+    db = list(range(100, 100 + len(pb)))
+    with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
+        p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), db, signal_first_write=True)
+        recv(conn, 60)  # started
+        msg = recv(conn, 30)
+        os.kill(prod.procs[0][0].pid, signal.SIGKILL)  # the first block has arrived, the rest has not
+        assert msg[0] == "writing", msg
+        status, detail, elapsed = recv(conn, 60)[1:]
+        p.join(timeout=10)
+    assert status == "failed", (status, detail)
+    assert detail[0] == db  # every block the load was to write is reported invalid
+    assert elapsed < 5.0 + 3.0
+
+
+def test_side_channel_survives_garbage_and_refuses_incompatible_peers() -> None:
+    pcfg = make_cfg("prefill", "P")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK), ("req2", P_BLOCKS[:7], NTOK)]) as prod:
+        r = prod.params["req"].ranks[0]
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{r.host}:{r.port}")
+        bad_version = msgspec.msgpack.encode({"type": "hello", "version": 99, "engine_id": "x", "client_nonce": b""})
+        for frame in [b"\x00garbage", b"\xff" * 100, bad_version, msgspec.msgpack.encode({"type": "nope"})]:
+            s.send_multipart([b"", frame])
+            assert s.poll(2000), "the server answers a bad message with an error"
+            reply = s.recv_multipart()[1]
+            assert msgspec.msgpack.decode(reply)["type"] == "error"
+        s.send_multipart([b"", b"x" * (5 << 20)])  # oversized: dropped by the transport limit
+        s.close()
+        # an incompatible consumer (other head size) is refused with both values named
+        (status, (invalid, why), _), = consume(make_cfg("decode", "D", head_size=32), prod.params["req"])
+        assert status == "failed" and invalid == D_BLOCKS[:7]
+        assert "head_size: local 32, remote 16" in why
+        # the failed load abandoned its request, so the producer freed it at once
+        assert prod.wait_released("req", timeout=5.0)
+        # and the server still serves a good consumer
+        (status, detail, _), = consume(make_cfg("decode", "D"), prod.params["req2"])
+        assert status == "ok", detail
+
+
+def test_auth_a_client_without_the_secret_gets_nothing() -> None:
+    env = {"KVX_TEST_SECRET": "s3cret"}
+    pcfg = make_cfg("prefill", "P", secret_env="KVX_TEST_SECRET")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)], env=env) as prod:
+        r = prod.params["req"].ranks[0]
+        lay = ParallelLayout(tp_size=1, pp_size=1, num_layers=4, num_kv_heads=4)
+        client = SideChannelClient(2.0, 0)
+        with pytest.raises(AuthError):
+            client.handshake(r.host, r.port, "intruder", 0, lay, b"wrong")
+        with pytest.raises(AuthError):
+            client.handshake(r.host, r.port, "intruder", 0, lay, None)
+        # a consumer with no secret fails cleanly; one with the secret loads
+        (status, (_, why), _), = consume(make_cfg("decode", "D"), prod.params["req"])
+        assert status == "failed" and "auth" in why
+        (status, detail, _), = consume(make_cfg("decode", "D", secret_env="KVX_TEST_SECRET"),
+                                       prod.params["req"], env=env)
+        assert status == "ok", detail
