@@ -134,14 +134,18 @@ class Connector:
             raise RuntimeError("not registered")
         return self.server.port
 
-    def poll(self) -> Finished:
-        """Non-blocking: holds released, loads finished, loads failed (with invalid block ids)."""
+    def poll(self, timeout_s: float = 0.0) -> Finished:
+        """Holds released, loads finished, loads failed (with their invalid block ids).
+
+        Non-blocking by default; with ``timeout_s`` a decode rank waits up to that long for a
+        load to finish (the wait releases the GIL, so the transfer threads run meanwhile).
+        """
         out = Finished()
+        if self.consumer is not None:
+            out.extend(self.consumer.poll(timeout_s))
         if self.holds is not None:
             self.holds.expire()
             out.sending.extend(self.holds.take_released())
-        if self.consumer is not None:
-            out.extend(self.consumer.poll())
         return out
 
     def stats(self) -> dict[str, float]:

@@ -62,15 +62,25 @@ class Descriptors:
         return cls(*(np.ascontiguousarray(a[:, i]) for i in range(5)))
 
 
-def check_bounds(regions: Mapping[int, MemoryRegion], region_ids: np.ndarray,
+class RegionTable:
+    """Sorted region ids and sizes for vectorised bounds checks; rebuilt only on (un)registration."""
+
+    def __init__(self, regions: Mapping[int, MemoryRegion]) -> None:
+        known = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
+        sizes = np.fromiter((r.length for r in regions.values()), dtype=np.int64, count=len(regions))
+        order = np.argsort(known)
+        self.known, self.sizes = known[order], sizes[order]
+
+
+def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: np.ndarray,
                  offsets: np.ndarray, lengths: np.ndarray) -> str | None:
-    """Why a set of (region, offset, length) pieces falls outside ``regions``, or None."""
+    """Why a set of (region, offset, length) pieces falls outside ``regions``, or None.
+
+    Pass a RegionTable (kept by the data plane) on hot paths to skip rebuilding it."""
     if not len(lengths):
         return None
-    known = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
-    sizes = np.fromiter((r.length for r in regions.values()), dtype=np.int64, count=len(regions))
-    order = np.argsort(known)
-    known, sizes = known[order], sizes[order]
+    t = regions if isinstance(regions, RegionTable) else RegionTable(regions)
+    known, sizes = t.known, t.sizes
     pos = np.searchsorted(known, region_ids).clip(0, max(len(known) - 1, 0))
     registered = (known[pos] == region_ids) if len(known) else np.zeros(len(region_ids), bool)
     if not registered.all():

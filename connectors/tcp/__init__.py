@@ -32,12 +32,22 @@ import numpy as np
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
-from kvxfer.dataplane import BatchResult, DataPlane, Descriptors, ReadValidator, TokenChecker, check_bounds
+from kvxfer.dataplane import (
+    BatchResult,
+    DataPlane,
+    Descriptors,
+    ReadValidator,
+    RegionTable,
+    TokenChecker,
+    check_bounds,
+)
 from kvxfer.protocol import MAX_READ_PIECES, DataHello, ReadReply, ReadRequest, decode_data, encode
 
 logger = logging.getLogger(__name__)
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+MIN_SPLIT_BYTES = 8 << 20  # below this a batch goes on one stream
+MIN_SPLIT_PIECE = 256 << 10  # ... and below this average piece size too
 MAX_FRAME = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 _LEN = struct.Struct("!I")
 OPTIONS = {"streams", "transport", "timeout_s", "host", "port"}
@@ -251,6 +261,7 @@ class TcpDataPlane(DataPlane):
         self.host_id = _host_id()
         self._regions: dict[int, MemoryRegion] = {}
         self._views: dict[int, memoryview] = {}
+        self._table = RegionTable(self._regions)
         self._validator: ReadValidator | None = None
         self._token_checker: TokenChecker | None = None
         self._peers: dict[str, tuple[Address, bytes]] = {}
@@ -339,7 +350,7 @@ class TcpDataPlane(DataPlane):
             regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
             zeros = np.zeros(n, dtype=np.int64)
             d = Descriptors(regions, offsets, zeros, zeros, lengths)
-            why = check_bounds(self._regions, regions, offsets, lengths)
+            why = check_bounds(self._table, regions, offsets, lengths)
             if why is None and self._validator is not None:
                 why = self._validator(req.request_id, d)
         if why is not None:
@@ -363,11 +374,13 @@ class TcpDataPlane(DataPlane):
         for r in regions:
             self._views[r.region_id] = _region_view(r)
             self._regions[r.region_id] = r
+        self._table = RegionTable(self._regions)
 
     def unregister(self, region_ids: Sequence[int]) -> None:
         for rid in region_ids:
             self._regions.pop(rid, None)
             self._views.pop(rid, None)
+        self._table = RegionTable(self._regions)
 
     def address(self) -> bytes:
         return msgspec.msgpack.encode(self._address)
@@ -403,7 +416,7 @@ class TcpDataPlane(DataPlane):
             streams = self._streams.get(peer_id)
         why = None if streams else f"peer {peer_id} is not connected"
         if why is None:
-            why = check_bounds(self._regions, d.local_region, d.local_offset, d.length)
+            why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
         if why is not None or len(d) == 0:
             with self._lock:
                 self._results.append(BatchResult(batch_id, peer_id, request_id, 0, why))
@@ -411,9 +424,12 @@ class TcpDataPlane(DataPlane):
                 self._on_complete()
             return batch_id
         assert streams is not None
-        # split by bytes into one contiguous share per stream
+        # Split by bytes into one contiguous share per stream, but only for big pieces: with
+        # small ones the streams' threads fight over the GIL (512 MiB as 16384 x 32 KiB:
+        # 2.9 GB/s on one stream, 2.2 on two; as 64 x 8 MiB: 5.6 on one, 5.5-6 on two).
+        n_streams = len(streams) if d.nbytes >= MIN_SPLIT_BYTES and d.nbytes / len(d) >= MIN_SPLIT_PIECE else 1
         cum = np.cumsum(d.length)
-        bounds = np.searchsorted(cum, cum[-1] * np.arange(1, len(streams)) / len(streams), side="left")
+        bounds = np.searchsorted(cum, cum[-1] * np.arange(1, n_streams) / n_streams, side="left")
         cuts = [0, *sorted(set(int(b) + 1 for b in bounds if 0 <= b < len(d) - 1)), len(d)]
         parts = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
         deadline = time.monotonic() + self.timeout_s

@@ -123,6 +123,7 @@ class Consumer:
         self._loads: dict[str, Load] = {}
         self._waiting: dict[str, KVTransferParams] = {}
         self._done = Finished()
+        self._ready = threading.Event()  # set whenever _done gains something
         self._jobs: queue.Queue[tuple[str, object]] = queue.Queue()
         self._notices: queue.Queue[tuple[RemoteRank, object] | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -178,9 +179,13 @@ class Consumer:
             self._notices.put((r, Abandon(request_id=request_id, generation=r.generation, reason=reason,
                                           token=self._token_for(params.engine_id, r))))
 
-    def poll(self) -> Finished:
+    def poll(self, timeout_s: float = 0.0) -> Finished:
+        """What finished since the last call; with a timeout, wait (GIL released) for something."""
+        if timeout_s > 0:
+            self._ready.wait(timeout_s)
         with self._lock:
             out, self._done = self._done, Finished()
+            self._ready.clear()
         return out
 
     def close(self) -> None:
@@ -342,6 +347,7 @@ class Consumer:
         with self._lock:
             self._loads.pop(load.request_id, None)
             self._done.receiving.append(load.request_id)
+            self._ready.set()
         self.stats.loads_ok += 1
         self.stats.bytes += load.nbytes
         logger.debug("request %s: loaded %d bytes in %.1f ms", load.request_id, load.nbytes,
@@ -361,6 +367,7 @@ class Consumer:
             self._loads.pop(load.request_id, None)
             self._done.failed[load.request_id] = load.invalid_blocks
             self._done.errors[load.request_id] = why
+            self._ready.set()
         self.stats.loads_failed += 1
 
     def _release_staging(self, load: Load) -> None:

@@ -140,7 +140,6 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
     nh = len(sl.remote_heads)
     full = nh == remote.num_heads == local.num_heads
     rowb = remote.row_bytes
-    parts: list[Descriptors] = []
     if remote.layout == "NHD":
         if full:  # token runs of min(R, L) tokens, every head at once
             u = min(R, L)
@@ -166,16 +165,15 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
         length = n_tok * rowb
     rblk = remote_blocks[p // R]
     lblk = local_blocks[p // L]
-    for layer in sl.layers:
-        for kv in range(remote.num_kv):
-            r_rid, r_inner, r_stride = remote.locate(layer, kv)
-            l_rid, l_inner, l_stride = local.locate(layer, kv)
-            ro = rblk * r_stride + r_inner + r_in
-            lo = lblk * l_stride + l_inner + l_in
-            n = len(ro)
-            parts.append(coalesce(np.full(n, r_rid, dtype=np.int64), ro, np.full(n, l_rid, dtype=np.int64),
-                                  lo, length.astype(np.int64, copy=False)))
-    return concat(parts)
+    # every (layer, K/V) pair at once: [pairs, 1] against [1, units]
+    pairs = [(layer, kv) for layer in sl.layers for kv in range(remote.num_kv)]
+    r_loc = np.array([remote.locate(*pk) for pk in pairs], dtype=np.int64)  # region, inner, stride
+    l_loc = np.array([local.locate(*pk) for pk in pairs], dtype=np.int64)
+    n = len(pairs), len(p)
+    ro = rblk[None, :] * r_loc[:, 2:3] + r_loc[:, 1:2] + r_in[None, :]
+    lo = lblk[None, :] * l_loc[:, 2:3] + l_loc[:, 1:2] + l_in[None, :]
+    return coalesce(np.broadcast_to(r_loc[:, :1], n).ravel(), ro.ravel(), np.broadcast_to(l_loc[:, :1], n).ravel(),
+                    lo.ravel(), np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel())
 
 
 @dataclass

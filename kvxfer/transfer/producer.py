@@ -46,6 +46,9 @@ class HoldRegistry:
         self.pp_rank = pp_rank
         self.num_blocks = num_blocks
         self.regions = regions  # region id -> (block_stride, length)
+        self._known = np.array(sorted(regions), dtype=np.int64)
+        self._strides = np.array([regions[int(k)][0] for k in self._known], dtype=np.int64)
+        self._lengths = np.array([regions[int(k)][1] for k in self._known], dtype=np.int64)
         self.lease_s = lease_s
         self.abort_s = abort_s
         self.clock = clock
@@ -144,12 +147,11 @@ class HoldRegistry:
         if len(d) == 0:
             return None
         rids = d.remote_region
-        known = np.array(sorted(self.regions), dtype=np.int64)
+        known = self._known
         pos = np.searchsorted(known, rids).clip(0, len(known) - 1)
         if not (known[pos] == rids).all():
             return f"region {int(rids[known[pos] != rids][0])} is not registered"
-        strides = np.array([self.regions[int(k)][0] for k in known], dtype=np.int64)[pos]
-        lengths = np.array([self.regions[int(k)][1] for k in known], dtype=np.int64)[pos]
+        strides, lengths = self._strides[pos], self._lengths[pos]
         start, end = d.remote_offset, d.remote_offset + d.length
         if (end > lengths).any():
             return "a piece runs past the end of its region"
