@@ -157,6 +157,9 @@ class ConnectorConfig(Config):
     data_plane: dict[str, Any] = msgspec.field(default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     auth: AuthConfig | None = None
+    # Stage device caches through a host mirror (batched block copies): auto = when the cache
+    # is not on the CPU; always = also for CPU caches (tests the path without a GPU).
+    host_staging: Literal["auto", "always", "never"] = "auto"
 
     def __post_init__(self) -> None:
         for key, value in self.data_plane.items():

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvxfer.cache.spec import spec_from_config
+from kvxfer.cache.staging import copy_blocks, mirror_of
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.dataplane import (
@@ -109,6 +110,11 @@ class Connector:
             if getattr(expect, f) != getattr(got, f):
                 raise ValueError(f"register_kv_caches: cache {f}={getattr(got, f)!r} but the config gives "
                                  f"{getattr(expect, f)!r} for rank {self.rank}")
+        self.device_cache: KVCache | None = None
+        staging = self.config.connector.host_staging
+        if staging == "always" or (staging == "auto" and cache.device.type != "cpu"):
+            self.device_cache, cache = cache, mirror_of(cache)  # the data plane sees the host mirror
+            logger.info("rank %d: staging a %s cache through a host mirror", self.rank, self.device_cache.device)
         self.plane.register(cache.regions)
         self.cache = cache
         t = self.config.connector.timeouts
@@ -124,7 +130,7 @@ class Connector:
         if self.config.role in ("decode", "both"):
             self.consumer = Consumer(self.config.engine_id, self.rank, self.layout, self.tp_rank, self.pp_rank,
                                      cache, self.plane, self.client, self.secret, self.config.model.name,
-                                     t.transfer_s, t.lease_s, self.clock)
+                                     t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage)
         logger.info("rank %d registered %d regions (%.1f MiB); side channel %s:%d", self.rank,
                     len(cache.regions), cache.nbytes / 2**20, sc.host, self.server.port)
 
@@ -175,6 +181,8 @@ class Connector:
         need = -(-num_tokens // self.cache.spec.block_size)
         if len(ids) < need:
             raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} blocks, got {len(ids)}")
+        if self.device_cache is not None:  # the blocks must be on the host before anyone reads them
+            copy_blocks(self.device_cache, self.cache, ids[:need])
         self.holds.hold(request_id, ids[:need], num_tokens)
         sc = self.config.connector.side_channel
         return KVTransferParams(
@@ -183,6 +191,11 @@ class Connector:
             ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
             lease_s=self.config.connector.timeouts.lease_s,
         )
+
+    def _unstage(self, block_ids: list[int]) -> None:
+        """Consumer side: loaded blocks go from the host mirror to the device cache."""
+        if self.device_cache is not None and self.cache is not None:
+            copy_blocks(self.cache, self.device_cache, block_ids)
 
     def release(self, request_id: str) -> bool:
         """The engine frees a hold itself (e.g. the request was cancelled)."""

@@ -34,7 +34,8 @@ D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
 
 def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
-             secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128) -> InstanceConfig:
+             secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
+             host_staging: str = "auto") -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
@@ -46,6 +47,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
             timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
                                     abort_s=max(600.0, transfer_s)),
             auth=AuthConfig(secret_env=secret_env) if secret_env else None,
+            host_staging=host_staging,
         ),
     )
 
@@ -128,6 +130,9 @@ CASES = {
     "prefill PP2 -> decode PP1": ({"pp": 2}, {}),
     "prefill TP2 -> decode TP1 HND": ({"tp": 2, "layout": "HND"}, {"layout": "HND"}),
     "MLA, prefill TP2 -> decode TP1": ({"mla": True, "tp": 2}, {"mla": True}),
+    # the path device caches take (host mirror, batched copies), forced on for CPU caches
+    "host staging both sides, HND -> NHD": ({"host_staging": "always", "layout": "HND"},
+                                            {"host_staging": "always"}),
 }
 
 

@@ -67,3 +67,29 @@ def scatter_from_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
         scatter_rows(t, idx, buf)
     if cache.device.type == "cuda":
         torch.cuda.synchronize(cache.device)
+
+
+def mirror_of(cache: KVCache, huge_pages: bool = True) -> KVCache:
+    """A host cache of the same spec and size: the registered stand-in for a device cache."""
+    from kvxfer.cache.tensors import allocate_kv_cache
+
+    mirror = allocate_kv_cache(cache.spec, cache.num_blocks, device="cpu", huge_pages=huge_pages)
+    if cache.device.type == "cuda":  # pin it so device copies run at full speed
+        for t in mirror.tensors:
+            torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return mirror
+
+
+def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | torch.Tensor) -> None:
+    """Blocks ``block_ids`` of every tensor from ``src`` to the same ids of ``dst`` (any devices):
+    one batched gather and one batched scatter per tensor."""
+    if src.spec != dst.spec or src.num_blocks != dst.num_blocks:
+        raise ValueError("copy_blocks: the two caches differ in spec or size")
+    idx = _index(src, block_ids)
+    if len(idx) == 0:
+        return
+    for s, d in zip(src.tensors, dst.tensors, strict=True):
+        scatter_rows(d, idx, gather_rows(s, idx))
+    for c in (src, dst):
+        if c.device.type == "cuda":
+            torch.cuda.synchronize(c.device)

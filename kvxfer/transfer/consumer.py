@@ -103,7 +103,8 @@ class Consumer:
     def __init__(self, engine_id: str, rank: int, layout: ParallelLayout, tp_rank: int, pp_rank: int,
                  cache: KVCache, plane: DataPlane, client: SideChannelClient, secret: bytes | None,
                  model: str, transfer_s: float, lease_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_loaded: Callable[[list[int]], None] | None = None) -> None:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
@@ -117,6 +118,7 @@ class Consumer:
         self.transfer_s = transfer_s
         self.lease_s = lease_s
         self.clock = clock
+        self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
         self.stats = ConsumerStats()
         self._peers: dict[tuple[str, int], Peer] = {}  # (engine, rank) -> latest generation's peer
@@ -332,6 +334,8 @@ class Consumer:
             for plan, peer in load.staged:
                 finish_staged(plan, peer.side, self.cache, load.local_blocks_full, load.skip_tokens,
                               load.params.num_tokens)
+            if self.on_loaded is not None:
+                self.on_loaded(load.invalid_blocks)
         except (ValueError, RuntimeError) as e:
             self._fail(load, f"repack failed: {e}")
             return
