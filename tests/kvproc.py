@@ -126,10 +126,13 @@ def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
 
 def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks: list[int], conn: Any,
                   num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
-                  env: dict[str, str] | None = None, signal_first_write: bool = False) -> None:
+                  env: dict[str, str] | None = None, signal_first_write: bool = False,
+                  use_block_manager: bool = False) -> None:
     """Load one request, check it against the oracle, report (status, detail, elapsed).
 
-    With ``signal_first_write`` it also says ("writing",) as soon as the first block changes."""
+    With ``signal_first_write`` it also says ("writing",) as soon as the first block changes.
+    With ``use_block_manager`` the blocks come from a BlockManager reservation (``local_blocks``
+    is ignored); a failed load is discarded there, and the detail reports the free count."""
     import os
 
     os.environ.update(env or {})
@@ -143,6 +146,13 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
             fill(cache, cfg, tp_rank, local_blocks[:nb], num_cached_tokens)
         c = Connector.from_config(cfg, rank)
         c.register_kv_caches(cache)
+        bm = None
+        if use_block_manager:
+            from kvxfer.cache import BlockManager
+
+            bm = BlockManager.from_config(cfg.cache)
+            alloc = bm.reserve(params.request_id, list(range(params.num_tokens)), timeout_s=timeout_s)
+            local_blocks = alloc.block_ids
         if wait_s:
             c.wait(params.request_id, params)
             time.sleep(wait_s)
@@ -161,8 +171,13 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
                 result = ("ok" if why is None else "mismatch", why, time.monotonic() - t0)
                 break
             if params.request_id in f.failed:
-                result = ("failed", (f.failed[params.request_id], f.errors.get(params.request_id, "")),
-                          time.monotonic() - t0)
+                invalid = f.failed[params.request_id]
+                detail: Any = (invalid, f.errors.get(params.request_id, ""))
+                if bm is not None:
+                    assert sorted(invalid) == sorted(bm.get(params.request_id).new_block_ids)
+                    bm.discard(params.request_id)
+                    detail = (invalid, detail[1], bm.num_free_blocks, bm.num_blocks)
+                result = ("failed", detail, time.monotonic() - t0)
                 break
             time.sleep(0.001 if signal_first_write else 0.005)
         if result is None:

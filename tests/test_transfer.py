@@ -204,9 +204,9 @@ def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout() -> 
     pcfg = make_cfg("prefill", "P", head_size=64, num_blocks=4100, transfer_s=5.0)
     dcfg = make_cfg("decode", "D", head_size=64, num_blocks=4200, transfer_s=5.0)
     pb = list(range(ntok // 16))
-    db = list(range(100, 100 + len(pb)))
     with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
-        p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), db, signal_first_write=True)
+        p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), [], signal_first_write=True,
+                        use_block_manager=True)
         recv(conn, 60)  # started
         msg = recv(conn, 30)
         os.kill(prod.procs[0][0].pid, signal.SIGKILL)  # the first block has arrived, the rest has not
@@ -214,8 +214,10 @@ def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout() -> 
         status, detail, elapsed = recv(conn, 60)[1:]
         p.join(timeout=10)
     assert status == "failed", (status, detail)
-    assert detail[0] == db  # every block the load was to write is reported invalid
-    assert elapsed < 5.0 + 3.0
+    invalid, why, free, total = detail
+    assert len(invalid) == len(pb)  # every block the load was to write is reported invalid...
+    assert free == total  # ...and discarded back to the block manager: nothing leaks
+    assert elapsed < 5.0 + 3.0, why
 
 
 def test_side_channel_survives_garbage_and_refuses_incompatible_peers() -> None:
