@@ -94,7 +94,7 @@ class Connector:
     def from_config(cls, config: InstanceConfig, rank: int = 0) -> Connector:
         plane_cls = load_data_plane(config.connector.name)
         options = dict(config.connector.data_plane)
-        if plane_cls.name == "tcp":
+        if plane_cls.name in ("tcp", "ucx"):
             options.setdefault("host", config.connector.side_channel.host)
             options.setdefault("timeout_s", config.connector.timeouts.transfer_s)
         return cls(config, rank, plane_cls(options))
