@@ -27,6 +27,15 @@ from kvxfer.handshake import AuthError, SideChannelClient
 from kvxfer.protocol import KVTransferParams, merge_params
 from kvxfer.topology import ParallelLayout
 
+CONNECTORS = ["tcp", "ucx"]
+
+
+@pytest.fixture(params=CONNECTORS)
+def conn(request: pytest.FixtureRequest) -> str:
+    """Every transfer test runs against each shipped cross-process data plane."""
+    return request.param
+
+
 NTOK = 100  # not a multiple of any block size used: the last block is partly filled
 P_BLOCKS = [7, 3, 12, 13, 14, 40, 2, 21, 22, 23, 50, 51, 60]  # scattered, with some runs
 D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
@@ -137,9 +146,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bit_exact_transfer(case: str) -> None:
+def test_bit_exact_transfer(case: str, conn: str) -> None:
     pkw, dkw = CASES[case]
-    pcfg, dcfg = make_cfg("prefill", "P", **pkw), make_cfg("decode", "D", **dkw)
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn, **pkw), make_cfg("decode", "D", connector=conn, **dkw)
     pbs = pcfg.cache.block_size
     blocks = P_BLOCKS[: -(-NTOK // pbs)]
     with Producers(pcfg, [("req", blocks, NTOK)]) as prod:
@@ -149,8 +158,8 @@ def test_bit_exact_transfer(case: str) -> None:
         assert prod.wait_released("req"), "every producer rank frees the blocks once its readers are done"
 
 
-def test_partial_prefix_hit_moves_only_the_suffix() -> None:
-    pcfg, dcfg = make_cfg("prefill", "P"), make_cfg("decode", "D")
+def test_partial_prefix_hit_moves_only_the_suffix(conn: str) -> None:
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
     blocks = P_BLOCKS[:7]
     # the producer's first 32 tokens are garbage: a consumer that read them would fail the check
     with Producers(pcfg, [("req", blocks, NTOK, 32), ("control", blocks, NTOK, 32)]) as prod:
@@ -161,8 +170,8 @@ def test_partial_prefix_hit_moves_only_the_suffix() -> None:
         assert status == "mismatch", detail
 
 
-def test_read_of_blocks_not_held_is_refused() -> None:
-    pcfg, dcfg = make_cfg("prefill", "P"), make_cfg("decode", "D")
+def test_read_of_blocks_not_held_is_refused(conn: str) -> None:
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         forged = msgspec.structs.replace(prod.params["req"], block_ids=[100, 101, 102, 103, 104, 105, 106])
         (status, (invalid, why), _), = consume(dcfg, forged)
@@ -174,8 +183,8 @@ def test_read_of_blocks_not_held_is_refused() -> None:
         assert recv(stats)[1]["refused_reads"] >= 1
 
 
-def test_read_after_lease_expired_is_refused_and_reported() -> None:
-    pcfg, dcfg = make_cfg("prefill", "P", lease_s=0.5), make_cfg("decode", "D")
+def test_read_after_lease_expired_is_refused_and_reported(conn: str) -> None:
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn, lease_s=0.5), make_cfg("decode", "D", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         time.sleep(1.2)
         assert "req" in prod.released(), "the producer frees the blocks when the lease runs out"
@@ -184,25 +193,25 @@ def test_read_after_lease_expired_is_refused_and_reported() -> None:
         assert "not held" in why  # never served from blocks that may have been reused
 
 
-def test_lease_renewal_keeps_a_queued_request_held() -> None:
+def test_lease_renewal_keeps_a_queued_request_held(conn: str) -> None:
     # the lease must outlast spawning the consumer process; the queue wait is then 2.5 leases
-    pcfg, dcfg = make_cfg("prefill", "P", lease_s=3.0), make_cfg("decode", "D")
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn, lease_s=3.0), make_cfg("decode", "D", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         (status, detail, _), = consume(dcfg, prod.params["req"], wait_s=7.5)
         assert status == "ok", detail
         assert prod.wait_released("req")
 
 
-def test_consumer_that_never_reads_lets_the_producer_free() -> None:
-    pcfg = make_cfg("prefill", "P", lease_s=0.4)
+def test_consumer_that_never_reads_lets_the_producer_free(conn: str) -> None:
+    pcfg = make_cfg("prefill", "P", connector=conn, lease_s=0.4)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         assert prod.wait_released("req", timeout=5.0)
 
 
-def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout() -> None:
+def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn: str) -> None:
     ntok = 64 * 1024  # 512 MiB of KV: the kill lands while bytes are moving
-    pcfg = make_cfg("prefill", "P", head_size=64, num_blocks=4100, transfer_s=5.0)
-    dcfg = make_cfg("decode", "D", head_size=64, num_blocks=4200, transfer_s=5.0)
+    pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0)
+    dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0)
     pb = list(range(ntok // 16))
     with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
         p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), [], signal_first_write=True,
@@ -220,8 +229,8 @@ def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout() -> 
     assert elapsed < 5.0 + 3.0, why
 
 
-def test_side_channel_survives_garbage_and_refuses_incompatible_peers() -> None:
-    pcfg = make_cfg("prefill", "P")
+def test_side_channel_survives_garbage_and_refuses_incompatible_peers(conn: str) -> None:
+    pcfg = make_cfg("prefill", "P", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK), ("req2", P_BLOCKS[:7], NTOK)]) as prod:
         r = prod.params["req"].ranks[0]
         ctx = zmq.Context.instance()
@@ -237,19 +246,20 @@ def test_side_channel_survives_garbage_and_refuses_incompatible_peers() -> None:
         s.send_multipart([b"", b"x" * (5 << 20)])  # oversized: dropped by the transport limit
         s.close()
         # an incompatible consumer (other head size) is refused with both values named
-        (status, (invalid, why), _), = consume(make_cfg("decode", "D", head_size=32), prod.params["req"])
+        other = make_cfg("decode", "D", connector=conn, head_size=32)
+        (status, (invalid, why), _), = consume(other, prod.params["req"])
         assert status == "failed" and invalid == D_BLOCKS[:7]
         assert "head_size: local 32, remote 16" in why
         # the failed load abandoned its request, so the producer freed it at once
         assert prod.wait_released("req", timeout=5.0)
         # and the server still serves a good consumer
-        (status, detail, _), = consume(make_cfg("decode", "D"), prod.params["req2"])
+        (status, detail, _), = consume(make_cfg("decode", "D", connector=conn), prod.params["req2"])
         assert status == "ok", detail
 
 
-def test_auth_a_client_without_the_secret_gets_nothing() -> None:
+def test_auth_a_client_without_the_secret_gets_nothing(conn: str) -> None:
     env = {"KVX_TEST_SECRET": "s3cret"}
-    pcfg = make_cfg("prefill", "P", secret_env="KVX_TEST_SECRET")
+    pcfg = make_cfg("prefill", "P", connector=conn, secret_env="KVX_TEST_SECRET")
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)], env=env) as prod:
         r = prod.params["req"].ranks[0]
         lay = ParallelLayout(tp_size=1, pp_size=1, num_layers=4, num_kv_heads=4)
@@ -259,8 +269,8 @@ def test_auth_a_client_without_the_secret_gets_nothing() -> None:
         with pytest.raises(AuthError):
             client.handshake(r.host, r.port, "intruder", 0, lay, None)
         # a consumer with no secret fails cleanly; one with the secret loads
-        (status, (_, why), _), = consume(make_cfg("decode", "D"), prod.params["req"])
+        (status, (_, why), _), = consume(make_cfg("decode", "D", connector=conn), prod.params["req"])
         assert status == "failed" and "auth" in why
-        (status, detail, _), = consume(make_cfg("decode", "D", secret_env="KVX_TEST_SECRET"),
+        (status, detail, _), = consume(make_cfg("decode", "D", connector=conn, secret_env="KVX_TEST_SECRET"),
                                        prod.params["req"], env=env)
         assert status == "ok", detail
