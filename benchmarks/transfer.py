@@ -5,10 +5,15 @@ Llama-3-8B-like one (32 layers, K and V, 8 kv heads, head size 128, bf16, block 
 request sizes are 4096 tokens (256 blocks, 512 MiB) and 1 block (2 MiB). Block ids are
 contiguous, or random on both sides (16384 scattered 32 KiB pieces at 4096 tokens).
 
-The baseline is the floor for those pieces on this machine: the producer ``sendmsg``s the
-same pieces (the connector's own coalesced descriptor list) from its cache over one socket
-of the same transport, and this process ``recvmsg_into``s them into the same destination
-blocks; no protocol, no validation, no threads. ``ratio`` = connector GB/s / baseline GB/s.
+Baselines, between the same two processes in the same run:
+- tcp: the producer ``sendmsg``s the same pieces (the connector's own coalesced descriptor
+  list) from its cache over one Unix socket and this process ``recvmsg_into``s them into the
+  same destination blocks; no protocol, no validation, no threads;
+- ucx: raw ucxx on the same worker-address endpoints: the same bytes as one tag message
+  (the contiguous goal), and the same pieces as one message each, 64 in flight (the
+  fragmented goal: batching should beat it by 2x or more).
+``ratio`` = connector GB/s / baseline GB/s (for ucx: against one message when contiguous,
+against the unbatched pieces when random).
 
     python benchmarks/transfer.py [--connector tcp] [--trials 10] [--streams 1 2 4] [--json out.json]
 """
@@ -89,6 +94,17 @@ def producer(cfg_json: bytes, conn: Any) -> None:
             conn.send("ready")
             while raw.recv(1) == b"g":
                 _send_all(raw, pieces)
+        elif cmd[0] == "ucx_connect":
+            raw_ucx = _UcxRaw(c.plane, cmd[1])
+            conn.send("ok")
+        elif cmd[0] == "ucx_one":
+            raw_ucx.send_one(cmd[1])
+            conn.send("ok")
+        elif cmd[0] == "ucx_pieces":
+            regions, offsets, lengths = (np.frombuffer(b, dtype=np.int64) for b in cmd[1:])
+            raw_ucx.send_pieces([views[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(),
+                                                                         lengths.tolist(), strict=True)])
+            conn.send("ok")
         elif cmd[0] == "poll":
             c.poll()
             conn.send("ok")
@@ -97,6 +113,53 @@ def producer(cfg_json: bytes, conn: Any) -> None:
     c.close()
     srv.close()
     os.unlink(path)
+
+
+RAW_TAG = 0x7A11_0000_0000_0001
+INFLIGHT = 64
+
+
+class _UcxRaw:
+    """Raw ucxx on the plane's own worker and loop: the baselines for the ucx connector."""
+
+    def __init__(self, plane: Any, peer_worker: bytes | None) -> None:
+        self.rt = plane.rt
+        ucxx = self.rt.ucxx
+        self.tag = ucxx.types.Tag(RAW_TAG)
+        if peer_worker is None:  # the receiving side: worker-level receives need no endpoint
+            return
+        self.big = np.ones(512 << 20, dtype=np.uint8)
+
+        async def connect() -> Any:
+            return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(peer_worker),
+                                                                 endpoint_error_handling=False)
+
+        self.ep = self.rt.submit(connect()).result(30)
+
+    def send_one(self, nbytes: int) -> None:
+        self.rt.submit(self.ep.send(self.big[:nbytes], tag=self.tag, force_tag=True)).result(60)
+
+    def send_pieces(self, views: list[memoryview]) -> None:
+        import asyncio
+
+        async def go() -> None:
+            for i in range(0, len(views), INFLIGHT):
+                await asyncio.gather(*(self.ep.send(np.frombuffer(v, np.uint8), tag=self.tag, force_tag=True)
+                                       for v in views[i : i + INFLIGHT]))
+
+        self.rt.submit(go()).result(120)
+
+    def recv_one(self, buf: np.ndarray) -> Any:
+        return self.rt.submit(self.rt.ucxx.recv(buf, tag=self.tag))
+
+    def recv_pieces(self, views: list[np.ndarray]) -> Any:
+        import asyncio
+
+        async def go() -> None:
+            for i in range(0, len(views), INFLIGHT):
+                await asyncio.gather(*(self.rt.ucxx.recv(v, tag=self.tag) for v in views[i : i + INFLIGHT]))
+
+        return self.rt.submit(go())
 
 
 def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -166,6 +229,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 raw.sendall(b"s")  # leave the producer's baseline loop
                 nbytes = descs.nbytes
                 rec = _record(args.connector, streams, pat, nblocks, nbytes, len(descs), times, btimes)
+                if args.connector == "ucx":
+                    _ucx_baselines(rec, d, parent, descs, lviews, trials, pat)
                 records.append(rec)
                 _print_row(rec)
         parent.send(("stop",))
@@ -173,6 +238,49 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         d.close()
         raw.close()
     return records
+
+
+def _ucx_baselines(rec: dict[str, Any], d: Connector, parent: Any, descs: Descriptors, lviews: list[memoryview],
+                   trials: int, pat: str) -> None:
+    """Raw ucxx between the same processes: one message of the same bytes; the pieces unbatched."""
+    global _ucx_raw
+    if _ucx_raw is None:
+        _ucx_raw = _UcxRaw(d.plane, None)
+        parent.send(("ucx_connect", d.plane.rt.address))
+        assert parent.recv() == "ok"
+    raw = _ucx_raw
+    nbytes = descs.nbytes
+    one, pieces = [], []
+    dst = np.empty(nbytes, dtype=np.uint8)
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fut = raw.recv_one(dst)
+        parent.send(("ucx_one", nbytes))
+        fut.result(60)
+        one.append(time.perf_counter() - t0)
+        parent.recv()
+    views = [np.frombuffer(v, np.uint8) for v in lviews]
+    for _ in range(max(2, trials // 4)):
+        t0 = time.perf_counter()
+        fut = raw.recv_pieces(views)
+        parent.send(("ucx_pieces", descs.remote_region.tobytes(), descs.remote_offset.tobytes(),
+                     descs.length.tobytes()))
+        fut.result(120)
+        pieces.append(time.perf_counter() - t0)
+        parent.recv()
+    one_gbps = nbytes / statistics.median(one) / 1e9
+    pieces_gbps = nbytes / statistics.median(pieces) / 1e9
+    rec["raw_ucxx_one_message_gbps"] = one_gbps
+    rec["raw_ucxx_pieces_gbps"] = pieces_gbps
+    if pat == "contiguous":
+        rec.update(baseline="raw ucxx, one message", baseline_gbps=one_gbps, ratio=rec["gbps"] / one_gbps)
+    else:
+        rec.update(baseline="raw ucxx, same pieces unbatched", baseline_gbps=pieces_gbps,
+                   ratio=rec["gbps"] / pieces_gbps)
+    rec["baseline_p50_us"] = nbytes / rec["baseline_gbps"] / 1e3
+
+
+_ucx_raw: _UcxRaw | None = None
 
 
 def _plan(d: Connector, params: KVTransferParams, dst: np.ndarray) -> Descriptors:
