@@ -83,3 +83,19 @@ def test_closed_peer_and_bad_descriptors(pair) -> None:
         Descriptors.from_rows([(0, 0, 0, 0, 0)])
     with pytest.raises(ValueError, match="five 1-d int64 arrays"):
         Descriptors(*(np.zeros(2, dtype=np.int32) for _ in range(5)))
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        ("tcp", {"stream": 2}, r"unknown option\(s\) \['stream'\] for tcp; known: "),
+        ("tcp", {"transport": "udp"}, "transport: expected auto, tcp or unix, got 'udp'"),
+        ("tcp", {"streams": 0}, "streams: expected 1..16, got 0"),
+        ("ucx", {"tls_list": "tcp"}, r"unknown option\(s\) \['tls_list'\] for ucx; known: "),
+        ("ucx", {"progress_mode": "busy"}, "progress_mode: expected blocking, polling, thread or thread-polling"),
+        ("ucx", {"inflight": 0}, "inflight: expected > 0, got 0"),
+    ],
+)
+def test_data_plane_options_are_checked_by_name(name: str, options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_data_plane(name)(options)
