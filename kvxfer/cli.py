@@ -74,28 +74,55 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from kvxfer.engine.launcher import LaunchError, launch
+
     try:
-        launch = load_launch_config(args.file)
-        instances = [load_instance_config(p) for p in launch.instances]
+        cfg = load_launch_config(args.file)
+        instances = [load_instance_config(p) for p in cfg.instances]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"launch plan from {args.file}:")
-    for path, cfg in zip(launch.instances, instances, strict=True):
-        print(f"- {cfg.role} instance {cfg.engine_id!r} ({os.path.relpath(path)}): "
-              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp}, connector {cfg.connector.name} "
-              f"({cfg.connector.mode}), server {cfg.server.host}:{cfg.server.port}")
-        for line in describe_instance(cfg):
+    for path, inst in zip(cfg.instances, instances, strict=True):
+        print(f"- {inst.role} instance {inst.engine_id!r} ({os.path.relpath(path)}): "
+              f"tp={inst.parallel.tp} pp={inst.parallel.pp}, connector {inst.connector.name} "
+              f"({inst.connector.mode}), server {inst.server.host}:{inst.server.port}")
+        for line in describe_instance(inst):
             print(line)
-    w = launch.workload
-    print(f"- router {launch.router.host}:{launch.router.port}; workload: {w.num_requests} requests, "
-          f"{w.prompt_tokens} prompt tokens, {w.output_tokens} output tokens")
-    print(
-        "kvxfer launch: the configs are valid, but the instance processes (the reference engine) "
-        "are not built yet, so nothing was started.",
-        file=sys.stderr,
-    )
-    return EXIT_UNAVAILABLE
+    try:
+        return launch(args.file, verify=args.verify, logdir=args.logdir)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        print("interrupted: every process this launch started has been stopped", file=sys.stderr)
+        return 130
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvxfer.engine.instance import serve
+
+    try:
+        cfg = load_instance_config(args.file)
+        serve(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ValueError as e:
+        print(f"error: {args.file}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvxfer.engine.router import route
+
+    try:
+        route(args.file)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,9 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=cmd_check_config)
 
-    p = sub.add_parser("launch", help="start the instances and router of a launcher file")
+    p = sub.add_parser("launch", help="start the instances and router of a launch file, run its workload")
     p.add_argument("file", metavar="FILE")
+    p.add_argument("--verify", action="store_true",
+                   help="also run every request on one monolithic instance; exit 1 on any disagreement")
+    p.add_argument("--logdir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("serve", help="run one instance (prefill, decode or both) from its YAML file")
+    p.add_argument("file", metavar="CONFIG")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("route", help="run the router of a launch file")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=cmd_route)
     return parser
 
 

@@ -257,6 +257,9 @@ class LaunchConfig(Config):
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     workload: WorkloadConfig = msgspec.field(default_factory=WorkloadConfig)
     ready_timeout_s: PositiveFloat = 120.0
+    request_timeout_s: PositiveFloat = 300.0  # the whole workload must finish within this
+    prefill_timeout_s: PositiveFloat = 10.0  # the router then lets decode compute the prompt
+    verify_port: Port = 8190  # the monolithic instance --verify starts
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,151 @@
+"""A small decoder-only transformer over a paged KV cache: the reference engine's model.
+
+RMSNorm, rotary positions, grouped-query attention whose K/V live in cache blocks addressed
+by a block table, a SwiGLU MLP, greedy sampling. Every weight is drawn from a generator
+seeded by (model seed, weight name), for the whole model; a tensor-parallel rank slices its
+part out of the full tensor, so any TP/PP layout computes the same function. float32 by
+default; float64 when the run must be bit-stable across different all-reduce orders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvxfer.cache.tensors import KVCache
+from kvxfer.config import ModelConfig
+from kvxfer.topology import ParallelLayout
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+EPS = 1e-6
+
+
+def _weight(seed: int, name: str, shape: tuple[int, ...], fan_in: int, dtype: torch.dtype) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return (torch.randn(shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of the head dim of ``x`` [T, H, D] by position."""
+    d = x.shape[-1]
+    half = d // 2
+    inv = 1.0 / (theta ** (torch.arange(half, dtype=torch.float64) / half))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    a, b = x[..., :half], x[..., half : 2 * half]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos, x[..., 2 * half :]], dim=-1)
+
+
+class Transformer:
+    """The layers of one (tp rank, pp stage) of the model; ``all_reduce`` sums across TP ranks."""
+
+    def __init__(self, cfg: ModelConfig, layout: ParallelLayout, tp_rank: int = 0, pp_rank: int = 0,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if cfg.head_size % 2:
+            raise ValueError(f"model.head_size: expected an even size for rotary positions, got {cfg.head_size}")
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.layers = layout.layers_of(pp_rank)
+        self.first_stage = pp_rank == 0
+        self.last_stage = pp_rank == layout.pp_size - 1
+        tp = layout.tp_size
+        self.all_reduce = all_reduce or (lambda x: x)
+        self.q_heads = cfg.num_heads // tp
+        self.kv_heads_global = list(layout.heads_of(tp_rank))
+        self.kv_heads = len(self.kv_heads_global)
+        self.group = cfg.num_heads // cfg.num_kv_heads  # q heads per kv head
+        q0 = tp_rank * self.q_heads
+        self.q_slice = slice(q0, q0 + self.q_heads)
+        inter = cfg.intermediate_size // tp
+        i0 = tp_rank * inter
+        h, d, s, dt = cfg.hidden_size, cfg.head_size, cfg.seed, self.dtype
+        self.embed = _weight(s, "embed", (cfg.vocab_size, h), 1, dt) if self.first_stage else None
+        self.final_norm = torch.ones(h, dtype=dt)
+        self.lm_head = _weight(s, "lm_head", (h, cfg.vocab_size), h, dt) if self.last_stage else None
+        self.w: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in self.layers:
+            p = f"layer{layer}."
+            wq = _weight(s, p + "wq", (h, cfg.num_heads, d), h, dt)[:, self.q_slice]
+            wk = _weight(s, p + "wk", (h, cfg.num_kv_heads, d), h, dt)[:, self.kv_heads_global]
+            wv = _weight(s, p + "wv", (h, cfg.num_kv_heads, d), h, dt)[:, self.kv_heads_global]
+            wo = _weight(s, p + "wo", (cfg.num_heads, d, h), cfg.num_heads * d, dt)[self.q_slice]
+            self.w[layer] = {
+                "wq": wq.reshape(h, -1).contiguous(), "wk": wk.reshape(h, -1).contiguous(),
+                "wv": wv.reshape(h, -1).contiguous(), "wo": wo.reshape(-1, h).contiguous(),
+                "gate": _weight(s, p + "gate", (h, cfg.intermediate_size), h, dt)[:, i0 : i0 + inter].contiguous(),
+                "up": _weight(s, p + "up", (h, cfg.intermediate_size), h, dt)[:, i0 : i0 + inter].contiguous(),
+                "down": _weight(s, p + "down", (cfg.intermediate_size, h), cfg.intermediate_size,
+                                dt)[i0 : i0 + inter].contiguous(),
+                "attn_norm": torch.ones(h, dtype=dt), "mlp_norm": torch.ones(h, dtype=dt),
+            }
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.embed is not None
+        return self.embed[tokens]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None
+        return rms_norm(hidden, self.final_norm) @ self.lm_head
+
+    def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        """Run this stage's layers for new tokens at ``positions`` (the last ones of a context of
+        ``context_len`` tokens): write their K/V into the cache, attend over the whole context."""
+        cfg = self.cfg
+        d = cfg.head_size
+        bs = cache.spec.block_size
+        slots = positions
+        blk = block_table[slots // bs]
+        off = slots % bs
+        n_blocks = -(-context_len // bs)
+        table = block_table[:n_blocks]
+        t_new = len(positions)
+        for layer in self.layers:
+            w = self.w[layer]
+            x = rms_norm(hidden, w["attn_norm"])
+            q = rotary((x @ w["wq"]).view(t_new, self.q_heads, d), positions, cfg.rope_theta)
+            k = rotary((x @ w["wk"]).view(t_new, self.kv_heads, d), positions, cfg.rope_theta)
+            v = (x @ w["wv"]).view(t_new, self.kv_heads, d)
+            kc, vc = cache.layer_kv(layer)
+            assert vc is not None
+            if cache.spec.layout == "NHD":
+                kc[blk, off] = k.to(kc.dtype)
+                vc[blk, off] = v.to(vc.dtype)
+                keys = kc[table].reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
+                vals = vc[table].reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
+            else:
+                kc[blk, :, off] = k.to(kc.dtype)
+                vc[blk, :, off] = v.to(vc.dtype)
+                keys = kc[table].transpose(1, 2).reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
+                vals = vc[table].transpose(1, 2).reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
+            attn = self._attention(q, keys, vals, positions)
+            hidden = hidden + self.all_reduce(attn.reshape(t_new, -1) @ w["wo"])
+            x = rms_norm(hidden, w["mlp_norm"])
+            mlp = (torch.nn.functional.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+            hidden = hidden + self.all_reduce(mlp)
+        return hidden
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """Causal GQA: new queries [T, Hq, D] over the context [N, Hkv, D]."""
+        d = q.shape[-1]
+        # each local q head uses the kv head it maps to globally
+        q_global = torch.arange(self.q_slice.start, self.q_slice.stop)
+        kv_global = q_global // self.group
+        kv_index = torch.tensor([self.kv_heads_global.index(int(g)) for g in kv_global])
+        k = keys[:, kv_index]  # [N, Hq, D]
+        v = vals[:, kv_index]
+        scores = torch.einsum("thd,nhd->htn", q, k) / math.sqrt(d)
+        n = keys.shape[0]
+        mask = torch.arange(n)[None, :] > positions[:, None]  # [T, N]
+        scores = scores.masked_fill(mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("htn,nhd->thd", probs, v)
