@@ -239,6 +239,7 @@ def verify_config(launch: LaunchConfig, decode: InstanceConfig) -> InstanceConfi
 @contextlib.contextmanager
 def started(logdir: Path | None = None) -> Iterator[Run]:
     run = Run(Path(logdir or tempfile.mkdtemp(prefix="kvxfer-launch-")))
+    run.logdir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         yield run
