@@ -185,3 +185,42 @@ def load_data_plane(name: str) -> type[DataPlane]:
     if not (isinstance(cls, type) and issubclass(cls, DataPlane)):
         raise TypeError(f"entry point {name!r} ({found[name].value}) is not a DataPlane subclass")
     return cls
+
+
+def region_array(r: MemoryRegion) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a registered host region."""
+    import ctypes
+
+    return np.frombuffer((ctypes.c_char * r.length).from_address(r.address), dtype=np.uint8)
+
+
+class HostRegionPlane(DataPlane):
+    """Registration shared by data planes that move host memory: a zero-copy view per region
+    (numpy array and memoryview) and the region table used for bounds checks."""
+
+    def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
+        super().__init__(options)
+        self._regions: dict[int, MemoryRegion] = {}
+        self._arrays: dict[int, np.ndarray] = {}
+        self._views: dict[int, memoryview] = {}
+        self._table = RegionTable(self._regions)
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        for r in regions:
+            if r.device != "cpu":
+                raise ValueError(f"region {r.region_id}: the {self.name} data plane moves host memory, got "
+                                 f"{r.device} (device caches are staged through a host mirror)")
+            if r.region_id in self._regions:
+                raise ValueError(f"region {r.region_id} is already registered")
+        for r in regions:
+            self._arrays[r.region_id] = region_array(r)
+            self._views[r.region_id] = memoryview(self._arrays[r.region_id])
+            self._regions[r.region_id] = r
+        self._table = RegionTable(self._regions)
+
+    def unregister(self, region_ids: Sequence[int]) -> None:
+        for rid in region_ids:
+            self._regions.pop(rid, None)
+            self._arrays.pop(rid, None)
+            self._views.pop(rid, None)
+        self._table = RegionTable(self._regions)

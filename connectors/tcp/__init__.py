@@ -13,7 +13,6 @@ Options (``connector.data_plane``): ``streams`` (default 2), ``transport`` (auto
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -24,20 +23,18 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
-from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import (
     BatchResult,
-    DataPlane,
     Descriptors,
+    HostRegionPlane,
     ReadValidator,
-    RegionTable,
     TokenChecker,
     check_bounds,
 )
@@ -68,10 +65,6 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _region_view(r: MemoryRegion) -> memoryview:
-    return memoryview((ctypes.c_char * r.length).from_address(r.address)).cast("B")
-
-
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -95,6 +88,18 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytearray:
     return _recv_exact(sock, n)
 
 
+def _advance(pending: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers (after a partial send or receive)."""
+    while n:
+        first = pending[0]
+        if n >= len(first):
+            n -= len(first)
+            pending.pop(0)
+        else:
+            pending[0] = first[n:]
+            n = 0
+
+
 def send_pieces(sock: socket.socket, views: list[memoryview]) -> None:
     """sendmsg in groups of IOV_MAX buffers, resuming after partial sends."""
     i = 0
@@ -103,15 +108,7 @@ def send_pieces(sock: socket.socket, views: list[memoryview]) -> None:
         while len(pending) < IOV_MAX and i < len(views):
             pending.append(views[i])
             i += 1
-        sent = sock.sendmsg(pending)
-        while sent:
-            first = pending[0]
-            if sent >= len(first):
-                sent -= len(first)
-                pending.pop(0)
-            else:
-                pending[0] = first[sent:]
-                sent = 0
+        _advance(pending, sock.sendmsg(pending))
 
 
 def recv_pieces(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
@@ -129,14 +126,7 @@ def recv_pieces(sock: socket.socket, views: list[memoryview], deadline: float) -
         got = sock.recvmsg_into(pending)[0]
         if got == 0:
             raise ConnectionError("connection closed by peer mid-transfer")
-        while got:
-            first = pending[0]
-            if got >= len(first):
-                got -= len(first)
-                pending.pop(0)
-            else:
-                pending[0] = first[got:]
-                got = 0
+        _advance(pending, got)
 
 
 @dataclass
@@ -236,7 +226,7 @@ class _Stream:
         self.thread.join(timeout=5)
 
 
-class TcpDataPlane(DataPlane):
+class TcpDataPlane(HostRegionPlane):
     """Scatter-gather socket reads between registered host regions of two processes."""
 
     name = "tcp"
@@ -259,9 +249,6 @@ class TcpDataPlane(DataPlane):
         self.engine_id = "kvxfer"  # the Connector sets its engine id; sent in each connection's hello
         self._on_complete: Callable[[], None] | None = None
         self.host_id = _host_id()
-        self._regions: dict[int, MemoryRegion] = {}
-        self._views: dict[int, memoryview] = {}
-        self._table = RegionTable(self._regions)
         self._validator: ReadValidator | None = None
         self._token_checker: TokenChecker | None = None
         self._peers: dict[str, tuple[Address, bytes]] = {}
@@ -364,24 +351,6 @@ class TcpDataPlane(DataPlane):
         send_pieces(conn, pieces)
 
     # ------------------------------------------------------------------ DataPlane
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
-        for r in regions:
-            if r.device != "cpu":
-                raise ValueError(f"region {r.region_id}: the tcp data plane moves host memory; got {r.device} "
-                                 "(stage device caches through host buffers)")
-            if r.region_id in self._regions:
-                raise ValueError(f"region {r.region_id} is already registered")
-        for r in regions:
-            self._views[r.region_id] = _region_view(r)
-            self._regions[r.region_id] = r
-        self._table = RegionTable(self._regions)
-
-    def unregister(self, region_ids: Sequence[int]) -> None:
-        for rid in region_ids:
-            self._regions.pop(rid, None)
-            self._views.pop(rid, None)
-        self._table = RegionTable(self._regions)
-
     def address(self) -> bytes:
         return msgspec.msgpack.encode(self._address)
 

@@ -37,21 +37,19 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import (
     BatchResult,
-    DataPlane,
     Descriptors,
+    HostRegionPlane,
     ReadValidator,
-    RegionTable,
     TokenChecker,
     check_bounds,
 )
@@ -138,12 +136,6 @@ class _Runtime:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
-def _region_array(r: MemoryRegion) -> np.ndarray:
-    import ctypes
-
-    return np.frombuffer((ctypes.c_char * r.length).from_address(r.address), dtype=np.uint8)
-
-
 def gather_pieces(arrays: Mapping[int, np.ndarray], regions: np.ndarray, offsets: np.ndarray,
                   lengths: np.ndarray, out: np.ndarray) -> None:
     """Pack pieces back to back into ``out``: one vectorised copy per region when every piece
@@ -195,7 +187,7 @@ def _chunks(lengths: np.ndarray, chunk_bytes: int) -> list[tuple[int, int]]:
     return out
 
 
-class UcxDataPlane(DataPlane):
+class UcxDataPlane(HostRegionPlane):
     """Reads over UCX tag messages; see the module docstring for the protocol."""
 
     name = "ucx"
@@ -226,9 +218,6 @@ class UcxDataPlane(DataPlane):
         self.ucxx = self.rt.ucxx
         self.plane_id = next(self.rt.plane_ids)
         self.engine_id = "kvxfer"
-        self._regions: dict[int, MemoryRegion] = {}
-        self._arrays: dict[int, np.ndarray] = {}
-        self._table = RegionTable(self._regions)
         self._validator: ReadValidator | None = None
         self._token_checker: TokenChecker | None = None
         self._on_complete: Callable[[], None] | None = None
@@ -244,23 +233,6 @@ class UcxDataPlane(DataPlane):
         self._ctrl_task = self.rt.submit(self._control_loop())
 
     # ------------------------------------------------------------------ registration
-    def register(self, regions: Sequence[MemoryRegion]) -> None:
-        for r in regions:
-            if r.device != "cpu":
-                raise ValueError(f"region {r.region_id}: register host memory (stage device caches), got {r.device}")
-            if r.region_id in self._regions:
-                raise ValueError(f"region {r.region_id} is already registered")
-        for r in regions:
-            self._arrays[r.region_id] = _region_array(r)
-            self._regions[r.region_id] = r
-        self._table = RegionTable(self._regions)
-
-    def unregister(self, region_ids: Sequence[int]) -> None:
-        for rid in region_ids:
-            self._regions.pop(rid, None)
-            self._arrays.pop(rid, None)
-        self._table = RegionTable(self._regions)
-
     def address(self) -> bytes:
         return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id))
 
