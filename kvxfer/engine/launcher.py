@@ -238,6 +238,9 @@ def verify_config(launch: LaunchConfig, decode: InstanceConfig) -> InstanceConfi
 
 @contextlib.contextmanager
 def started(logdir: Path | None = None) -> Iterator[Run]:
+    # no socket of this process may hold up its exit with an unsent message (a ping to a
+    # child that never came up, say): Ctrl-C must end the launch at once
+    zmq.Context.instance().setsockopt(zmq.LINGER, 0)
     run = Run(Path(logdir or tempfile.mkdtemp(prefix="kvxfer-launch-")))
     run.logdir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
