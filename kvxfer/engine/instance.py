@@ -91,14 +91,14 @@ class Instance:
         logger.info("%s instance %s serving on %s:%d", self.cfg.role, self.cfg.engine_id, self.cfg.server.host,
                     self.cfg.server.port)
         try:
+            progressed = False
             while not self.stop:
-                busy = bool(self.running or self.prefill_queue)
+                busy = bool(self.running) or progressed
                 if self.sock.poll(0 if busy else 2):
                     self._drain()
                 self._poll_connector()
                 self._admit_decodes()
-                if self.prefill_queue:
-                    self._prefill(self.prefill_queue.pop(0))
+                progressed = bool(self.prefill_queue) and self._prefill(self.prefill_queue.pop(0))
                 if self.running:
                     self._decode_step()
         finally:
@@ -178,14 +178,39 @@ class Instance:
         hidden = self.model.forward_layers(hidden, positions, self.cache, table, start + len(tokens))
         return int(torch.argmax(self.model.logits(hidden[-1:])[0]))
 
-    def _prefill(self, seq: Seq) -> None:
-        adm = self.bm.admit(seq.prompt, max_cached_tokens=0)
+    def _growth(self) -> int:
+        """Blocks the requests already admitted may still take as they decode."""
+        total = 0
+        for seq in [*self.running, *self.loading.values()]:
+            if seq.request_id in self.bm.requests:
+                final = self.bm.blocks_needed(len(seq.prompt) + seq.max_tokens)
+                total += max(0, final - len(self.bm.get(seq.request_id).blocks))
+        return total
+
+    def _admission(self, seq: Seq, max_cached_tokens: int | None) -> Admission:
+        """Admit only what can also finish decoding: prompt and output blocks, and the growth
+        the running requests are still owed, above the watermark."""
+        decodes_here = self.cfg.role != "prefill"
+        extra = seq.max_tokens if decodes_here else 0
+        need = self.bm.blocks_needed(len(seq.prompt) + extra)
+        if need > self.bm.num_blocks - self.bm.watermark_blocks:
+            return Admission.NEVER
+        adm = self.bm.admit(seq.prompt, max_cached_tokens=max_cached_tokens)
+        if adm is not Admission.OK:
+            return adm
+        spare = self.bm.num_free_blocks - self.bm.watermark_blocks - (self._growth() if decodes_here else 0)
+        return Admission.OK if spare >= need else Admission.LATER
+
+    def _prefill(self, seq: Seq) -> bool:
+        """Compute a prompt; False (and back to the queue head) when it must wait for blocks."""
+        adm = self._admission(seq, max_cached_tokens=0)
         if adm is Admission.NEVER:
-            self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens can never fit this cache")
-            return
+            self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens and {seq.max_tokens} output tokens can "
+                                    f"never fit this cache")
+            return True
         if adm is Admission.LATER:
             self.prefill_queue.insert(0, seq)
-            return
+            return False
         self.bm.allocate(seq.request_id, seq.prompt, max_cached_tokens=0)
         first = self._forward(seq, seq.prompt, 0)
         self.bm.commit(seq.request_id)
@@ -197,11 +222,12 @@ class Instance:
             self.held[seq.request_id] = seq
             self._send(seq.reply_to, m.Prefilled(request_id=seq.request_id, first_token=first,
                                                  params=params.to_bytes()))
-            return
+            return True
         # combined, or a decode instance computing the prompt itself (no params, or a failed load)
         seq.generated = [seq.first_token if seq.first_token is not None else first]
         seq.token_times = [now]
         self._after_first(seq)
+        return True
 
     def _after_first(self, seq: Seq) -> None:
         if len(seq.generated) >= seq.max_tokens:
@@ -242,13 +268,14 @@ class Instance:
             align = math.lcm(self.cfg.cache.block_size, seq.params.block_size)
             hit = len(self.bm.prefix_hits(seq.prompt)) * self.cfg.cache.block_size
             cached = hit // align * align
-            adm = self.bm.admit(seq.prompt, max_cached_tokens=cached)
+            adm = self._admission(seq, max_cached_tokens=cached)
             if adm is Admission.LATER:
                 return  # the lease is renewed meanwhile
             self.decode_queue.pop(0)
             if adm is Admission.NEVER:
                 self.connector.abandon(seq.request_id, seq.params, "cannot fit the decode cache")
-                self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens can never fit this cache")
+                self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens and {seq.max_tokens} output tokens "
+                                        f"can never fit this cache")
                 continue
             alloc = self.bm.reserve(seq.request_id, seq.prompt, timeout_s=self.cfg.connector.timeouts.reservation_s,
                                     max_cached_tokens=cached)

@@ -244,11 +244,14 @@ def started(logdir: Path | None = None) -> Iterator[Run]:
     run = Run(Path(logdir or tempfile.mkdtemp(prefix="kvxfer-launch-")))
     run.logdir.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # a shell that starts us in the background hands SIGINT down as ignored; Ctrl-C must still work
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield run
     finally:
         run.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def launch(path: str, verify: bool = False, logdir: str | None = None) -> int:
