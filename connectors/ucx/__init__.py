@@ -10,8 +10,11 @@ every read has its own deadline; a read that misses it aborts its endpoint, whic
 cancels the receives posted on it before the batch is reported failed.
 
 A read is two-sided: the consumer posts receives, then sends a read request to the
-producer's control tag; the producer checks it (registered regions, held blocks, token)
-and sends a reply header and the data. Per-message cost dominates small pieces (16-24 us
+producer's control socket (ZMQ; hellos travel there too); the producer checks it
+(registered regions, held blocks, token) and sends a reply header and the data over UCX.
+The control messages stay off UCX on purpose: a tag receive posted while idle keeps
+ucxx's blocking progress from re-arming its worker, and it spins a whole core (measured:
+an idle plane at 100% CPU that way, 0.2% now). Per-message cost dominates small pieces (16-24 us
 of Python per ucxx message), so a batch whose pieces average below ``staging_threshold``
 is gathered on the producer into staging buffers with one vectorised copy per region,
 sent in chunks of ``chunk_bytes``, and scattered on receipt the same way (double-buffering
@@ -43,6 +46,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 
 from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import (
@@ -65,9 +69,9 @@ logger = logging.getLogger(__name__)
 # RDMA included, stays. Measured here: 12.0 GB/s for one 512 MiB message with this set.
 DEFAULT_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"
 OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host"}
-CTRL_BYTES = 32 << 20
+MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 HEADER_BYTES = 4096
-KIND_CTRL, KIND_HEADER, KIND_DATA = 1, 2, 3
+KIND_HEADER, KIND_DATA = 2, 3
 _LEN = struct.Struct("<I")
 
 
@@ -78,6 +82,7 @@ def _tag(plane: int, kind: int, seq: int) -> int:
 class UcxAddress(msgspec.Struct, frozen=True):
     worker: bytes
     plane: int
+    control: str  # the producer's ZMQ endpoint for hellos and read requests
 
 
 class _Hello(msgspec.Struct, frozen=True):
@@ -222,7 +227,6 @@ class UcxDataPlane(HostRegionPlane):
         self._token_checker: TokenChecker | None = None
         self._on_complete: Callable[[], None] | None = None
         self._peers: dict[str, Any] = {}  # peer id -> endpoint to it
-        self._peer_ctrl: dict[str, int] = {}  # peer id -> its control tag
         self._clients: dict[tuple[bytes, int], Any] = {}  # (worker, plane) -> endpoint back to a consumer
         self._results: list[BatchResult] = []
         self._ids = itertools.count(1)
@@ -230,11 +234,18 @@ class UcxDataPlane(HostRegionPlane):
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Future[None]] = set()
-        self._ctrl_task = self.rt.submit(self._control_loop())
+        self._ctrl = zmq.Context.instance().socket(zmq.ROUTER)
+        self._ctrl.setsockopt(zmq.LINGER, 0)
+        self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        host = str(o.get("host", "127.0.0.1"))
+        self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
+        self._dealers: dict[str, Any] = {}  # peer id -> DEALER to its control socket (loop thread only)
+        self._ctrl_thread = threading.Thread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
+        self._ctrl_thread.start()
 
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:
-        return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id))
+        return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr))
 
     def set_read_validator(self, validator: ReadValidator) -> None:
         self._validator = validator
@@ -261,22 +272,25 @@ class UcxDataPlane(HostRegionPlane):
                                                            endpoint_error_handling=False)
         hello = msgspec.msgpack.encode(_Hello(worker=self.rt.address, plane=self.plane_id,
                                               engine_id=self.engine_id, token=token))
-        await self._send_frame(ep, _tag(addr.plane, KIND_CTRL, 0), b"H" + hello)
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(addr.control)
+        dealer.send(b"H" + hello)
         self._peers[peer_id] = ep
-        self._peer_ctrl[peer_id] = _tag(addr.plane, KIND_CTRL, 0)
-
-    async def _send_frame(self, ep: Any, tag: int, payload: bytes) -> None:
-        frame = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
-        await ep.send(frame, tag=self.ucxx.types.Tag(tag), force_tag=True)
+        self._dealers[peer_id] = dealer
 
     def disconnect(self, peer_id: str) -> None:
-        ep = self._peers.pop(peer_id, None)
-        self._peer_ctrl.pop(peer_id, None)
-        if ep is not None:
-            self.rt.submit(self._abort(ep)).result(timeout=10)
+        if peer_id in self._peers:
+            self.rt.submit(self._drop(peer_id)).result(timeout=10)
 
-    async def _abort(self, ep: Any) -> None:
-        ep.abort()
+    async def _drop(self, peer_id: str) -> None:
+        """Abort the endpoint (cancelling receives posted on it) and close the control socket."""
+        ep = self._peers.pop(peer_id, None)
+        dealer = self._dealers.pop(peer_id, None)
+        if ep is not None:
+            ep.abort()
+        if dealer is not None:
+            dealer.close(linger=0)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
@@ -309,15 +323,12 @@ class UcxDataPlane(HostRegionPlane):
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
                               token=msgspec.msgpack.encode([self.rt.address, self.plane_id,
                                                             self.chunk_bytes if staged else 0]))
-            await self._send_frame(ep, self._peer_ctrl[peer_id], b"R" + encode(req))
+            self._dealers[peer_id].send(b"R" + encode(req))
             await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
             self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
         except TimeoutError:
             # cancel what is still posted before anyone may reuse the destination blocks
-            self._peers.pop(peer_id, None)
-            self._peer_ctrl.pop(peer_id, None)
-            if ep is not None:
-                ep.abort()
+            await self._drop(peer_id)
             self._finish(BatchResult(batch_id, peer_id, request_id, 0,
                                      f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
         except Exception as e:
@@ -346,33 +357,35 @@ class UcxDataPlane(HostRegionPlane):
                 await asyncio.gather(*(ep.recv(v, tag=data_tag, force_tag=True) for v in views[i : i + self.inflight]))
 
     # ------------------------------------------------------------------ producer
-    async def _control_loop(self) -> None:
-        buf = np.empty(CTRL_BYTES, dtype=np.uint8)
-        tag = self.ucxx.types.Tag(_tag(self.plane_id, KIND_CTRL, 0))
+    def _control_thread(self) -> None:
+        """Hellos and read requests arrive on a ZMQ socket, not a posted UCX receive: with a
+        receive always posted, ucxx's blocking progress never re-arms and spins a core."""
+        poller = zmq.Poller()
+        poller.register(self._ctrl, zmq.POLLIN)
         while not self._closed:
             try:
-                await self.ucxx.recv(buf, tag=tag)
-            except asyncio.CancelledError:
-                break
-            except Exception as e:  # a malformed or truncated message: keep serving
-                self._refuse_once("?", f"control message dropped: {e}")
+                if not poller.poll(100):
+                    continue
+                parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                if self._closed:
+                    break
                 continue
-            (n,) = _LEN.unpack(buf[:4].tobytes())
-            if n < 1 or n > CTRL_BYTES - 4:
-                self._refuse_once("?", "control frame with a bad length")
+            if len(parts) != 2 or not parts[1]:
                 continue
-            kind, payload = bytes(buf[4:5]), buf[5 : 4 + n].tobytes()
+            kind, payload = parts[1][:1], parts[1][1:]
             try:
                 if kind == b"H":
-                    await self._on_hello(msgspec.msgpack.decode(payload, type=_Hello))
+                    # done before the next message: a read must find the endpoint back in place
+                    self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=_Hello))).result(
+                        timeout=self.timeout_s)
                 elif kind == b"R":
                     msg = decode_data(payload)
                     if isinstance(msg, ReadRequest):
-                        task = asyncio.ensure_future(self._serve(msg))
-                        self._serving.add(task)  # keep a reference until it finishes
-                        task.add_done_callback(self._serving.discard)
+                        self.rt.submit(self._serve(msg))
             except Exception as e:
                 self._refuse_once("?", f"control message refused: {e}")
+        self._ctrl.close(linger=0)
 
     def _refuse_once(self, peer: str, why: str) -> None:
         key = (peer, why.split(":")[0])
@@ -451,12 +464,13 @@ class UcxDataPlane(HostRegionPlane):
         if self._closed:
             return
         self._closed = True
-        self._ctrl_task.cancel()
+        self._ctrl_thread.join(timeout=5)
 
         async def shutdown() -> None:
-            for ep in [*self._peers.values(), *self._clients.values()]:
+            for peer_id in list(self._peers):
+                await self._drop(peer_id)
+            for ep in self._clients.values():
                 ep.abort()
-            self._peers.clear()
             self._clients.clear()
 
         try:
