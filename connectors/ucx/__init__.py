@@ -35,12 +35,13 @@ with 4, 1.03x with 16, 0.66x with 64), ``timeout_s`` (per batch), ``host`` (unus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -114,6 +115,8 @@ class _Runtime:
         self.thread.start()
         ready.result(timeout=30)
         self.plane_ids = itertools.count(1)
+        self.transfers = 0
+        self._spinner: asyncio.Future[None] | None = None
 
     def _run(self, ready: Future[None]) -> None:
         asyncio.set_event_loop(self.loop)
@@ -139,6 +142,27 @@ class _Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @contextlib.asynccontextmanager
+    async def active(self) -> AsyncIterator[None]:
+        """Progress the worker continuously while a transfer is in flight (loop thread only).
+
+        Blocking progress waits for worker events between calls; large shared-memory
+        rendezvous transfers then crawl (512 MiB: 3.3 GB/s against 9.6 with continuous
+        progress). Idle, nothing spins: the worker arms and the loop sleeps.
+        """
+        self.transfers += 1
+        if self.transfers == 1:
+            self._spinner = asyncio.ensure_future(self._spin())
+        try:
+            yield
+        finally:
+            self.transfers -= 1
+
+    async def _spin(self) -> None:
+        while self.transfers > 0:
+            self.ucxx.progress()
+            await asyncio.sleep(0)
 
 
 def gather_pieces(arrays: Mapping[int, np.ndarray], regions: np.ndarray, offsets: np.ndarray,
@@ -324,7 +348,8 @@ class UcxDataPlane(HostRegionPlane):
                               token=msgspec.msgpack.encode([self.rt.address, self.plane_id,
                                                             self.chunk_bytes if staged else 0]))
             self._dealers[peer_id].send(b"R" + encode(req))
-            await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
+            async with self.rt.active():
+                await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
             self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
         except TimeoutError:
             # cancel what is still posted before anyone may reuse the destination blocks
@@ -404,6 +429,10 @@ class UcxDataPlane(HostRegionPlane):
                 ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
 
     async def _serve(self, req: ReadRequest) -> None:
+        async with self.rt.active():
+            await self._serve_read(req)
+
+    async def _serve_read(self, req: ReadRequest) -> None:
         try:
             worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
         except (msgspec.DecodeError, msgspec.ValidationError):
