@@ -122,9 +122,15 @@ class DataPlane(ABC):
     """Moves bytes between registered regions of two ranks; never interprets them."""
 
     name: ClassVar[str]
+    known_options: ClassVar[frozenset[str] | None] = None  # None: accept any option
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         self.options = dict(options or {})
+        if self.known_options is not None:
+            unknown = set(self.options) - self.known_options
+            if unknown:
+                raise ValueError(f"connector.data_plane: unknown option(s) {sorted(unknown)} for {self.name}; "
+                                 f"known: {sorted(self.known_options)}")
 
     @abstractmethod
     def register(self, regions: Sequence[MemoryRegion]) -> None:

@@ -230,13 +230,10 @@ class TcpDataPlane(HostRegionPlane):
     """Scatter-gather socket reads between registered host regions of two processes."""
 
     name = "tcp"
+    known_options = frozenset(OPTIONS)
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         super().__init__(options)
-        unknown = set(self.options) - OPTIONS
-        if unknown:
-            raise ValueError(f"connector.data_plane: unknown option(s) {sorted(unknown)} for tcp; "
-                             f"known: {sorted(OPTIONS)}")
         self.streams = int(self.options.get("streams", 2))
         self.transport = str(self.options.get("transport", "auto"))
         self.timeout_s = float(self.options.get("timeout_s", 30.0))

@@ -220,13 +220,10 @@ class UcxDataPlane(HostRegionPlane):
     """Reads over UCX tag messages; see the module docstring for the protocol."""
 
     name = "ucx"
+    known_options = frozenset(OPTIONS)
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         super().__init__(options)
-        unknown = set(self.options) - OPTIONS
-        if unknown:
-            raise ValueError(f"connector.data_plane: unknown option(s) {sorted(unknown)} for ucx; "
-                             f"known: {sorted(OPTIONS)}")
         o = self.options
         self.progress_mode = str(o.get("progress_mode", "blocking"))
         if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
