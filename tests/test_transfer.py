@@ -186,8 +186,7 @@ def test_read_of_blocks_not_held_is_refused(conn: str) -> None:
 def test_read_after_lease_expired_is_refused_and_reported(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn, lease_s=0.5), make_cfg("decode", "D", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
-        time.sleep(1.2)
-        assert "req" in prod.released(), "the producer frees the blocks when the lease runs out"
+        assert prod.wait_released("req", timeout=5.0), "the producer frees the blocks when the lease runs out"
         (status, (invalid, why), _), = consume(dcfg, prod.params["req"])
         assert status == "failed" and invalid == D_BLOCKS[:7]
         assert "not held" in why  # never served from blocks that may have been reused

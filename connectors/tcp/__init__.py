@@ -100,14 +100,20 @@ def _advance(pending: list[memoryview], n: int) -> None:
             n = 0
 
 
+def _refill(pending: list[memoryview], views: list[memoryview], i: int) -> int:
+    """Top ``pending`` up to IOV_MAX buffers from ``views[i:]``; returns the next index."""
+    while len(pending) < IOV_MAX and i < len(views):
+        pending.append(views[i])
+        i += 1
+    return i
+
+
 def send_pieces(sock: socket.socket, views: list[memoryview]) -> None:
     """sendmsg in groups of IOV_MAX buffers, resuming after partial sends."""
     i = 0
     pending: list[memoryview] = []
     while i < len(views) or pending:
-        while len(pending) < IOV_MAX and i < len(views):
-            pending.append(views[i])
-            i += 1
+        i = _refill(pending, views, i)
         _advance(pending, sock.sendmsg(pending))
 
 
@@ -116,9 +122,7 @@ def recv_pieces(sock: socket.socket, views: list[memoryview], deadline: float) -
     i = 0
     pending: list[memoryview] = []
     while i < len(views) or pending:
-        while len(pending) < IOV_MAX and i < len(views):
-            pending.append(views[i])
-            i += 1
+        i = _refill(pending, views, i)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("read did not complete within the batch time limit")
