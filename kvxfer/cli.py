@@ -101,16 +101,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvxfer.engine.instance import serve
+    from kvxfer.engine.ranks import RankError, serve_rank
 
     try:
         cfg = load_instance_config(args.file)
-        serve(cfg)
+        if args.rank:
+            if not 0 < args.rank < cfg.world_size or not args.store_port or not args.control_port:
+                print(f"error: --rank {args.rank} needs 0 < rank < {cfg.world_size} (tp x pp), --store-port and "
+                      f"--control-port; rank 0 (plain 'kvxfer serve') starts the other ranks itself",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            serve_rank(cfg, args.rank, args.store_port, args.control_port)
+        else:
+            serve(cfg, args.file)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except ValueError as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except RankError as e:
+        print(f"error: {args.file}: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     return EXIT_OK
 
 
@@ -145,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run one instance (prefill, decode or both) from its YAML file")
     p.add_argument("file", metavar="CONFIG")
+    # set by rank 0 when it starts the other ranks of a TP/PP instance
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("route", help="run the router of a launch file")

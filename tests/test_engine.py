@@ -59,7 +59,8 @@ def small_launch(tmp_path: Path, name: str, **extra: object) -> Path:
 
 
 def test_every_shipped_launch_file_is_tested() -> None:
-    assert {"demo.yaml", "blocks.yaml", "ucx.yaml"} <= set(LAUNCH_FILES)
+    assert {"demo.yaml", "blocks.yaml", "ucx.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml"} <= \
+        set(LAUNCH_FILES)
 
 
 @pytest.mark.parametrize("name", LAUNCH_FILES)
@@ -80,11 +81,16 @@ def _kv(addr: str, prompt: list[int]) -> tuple[int, bytes]:
     return dump.num_tokens, dump.data
 
 
-def test_decode_kv_equals_prefill_kv_after_repack(tmp_path: Path) -> None:
-    """blocks.yaml: 16-token HND blocks on prefill, 32-token NHD on decode."""
-    path = small_launch(tmp_path, "blocks.yaml")
+@pytest.mark.parametrize("name", ["blocks.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml"])
+def test_decode_kv_equals_prefill_kv_after_repack(tmp_path: Path, name: str) -> None:
+    """blocks: 16-token HND blocks -> 32-token NHD; hetero-tp: two prefill ranks' heads -> one
+    rank; hetero-tp-up: the reverse; pp: two prefill stages' layers -> one rank. The dump gathers
+    every rank's part of the instance's KV."""
+    path = small_launch(tmp_path, name)
     launch = load_launch_config(path)
     (pcfg, dcfg) = [load_instance_config(p) for p in launch.instances]
+    assert (pcfg.world_size, pcfg.cache.block_size, pcfg.cache.layout) != \
+        (dcfg.world_size, dcfg.cache.block_size, dcfg.cache.layout)
     with started(tmp_path / "logs") as run:
         targets = [(run.start(c.engine_id, ["serve", p]), _addr(c.server.host, c.server.port))
                    for c, p in zip((pcfg, dcfg), launch.instances, strict=True)]
@@ -94,13 +100,15 @@ def test_decode_kv_equals_prefill_kv_after_repack(tmp_path: Path) -> None:
         results = run_workload(_addr(launch.router.host, launch.router.port), reqs, 120, "kv check")
         assert all(r.result.loaded and not r.result.error for r in results.values())
         shape = (pcfg.model.num_layers * 2, -1, pcfg.model.num_kv_heads, pcfg.model.head_size)
+        dtype = np.dtype(pcfg.cache.dtype)
         for req in reqs:
             pn, pdata = _kv(_addr(pcfg.server.host, pcfg.server.port), req.prompt)
             dn, ddata = _kv(_addr(dcfg.server.host, dcfg.server.port), req.prompt)
             n = min(pn, dn)
-            assert n >= 64  # 72-token prompts: 4 full blocks of 16 on prefill, 2 of 32 on decode
-            pk = np.frombuffer(pdata, dtype=np.float32).reshape(shape)[:, :n]
-            dk = np.frombuffer(ddata, dtype=np.float32).reshape(shape)[:, :n]
+            assert n >= 64  # 72-token prompts: 4 full blocks of 16 (2 of 32)
+            pk = np.frombuffer(pdata, dtype=dtype).reshape(shape)[:, :n]
+            dk = np.frombuffer(ddata, dtype=dtype).reshape(shape)[:, :n]
+            assert np.abs(pk).sum() > 0
             assert pk.tobytes() == dk.tobytes(), "the decode KV is the prefill KV, byte for byte"
     assert kvxfer_children() == []
 
@@ -146,7 +154,7 @@ def test_killing_prefill_mid_run_completes_every_request_on_decode(tmp_path: Pat
 
 def test_launcher_failure_names_what_did_not_come_up_and_stops_the_rest(tmp_path: Path) -> None:
     bad = yaml.safe_load((CONFIGS / "decode.yaml").read_text())
-    bad["parallel"] = {"tp": 2}  # valid config, but the reference engine refuses it at start
+    bad["cache"]["dtype"] = "float64"  # valid config, but the reference engine refuses it at start
     (tmp_path / "decode.yaml").write_text(yaml.safe_dump(bad))
     launch = {"instances": [str(CONFIGS / "prefill.yaml"), str(tmp_path / "decode.yaml")], "ready_timeout_s": 60}
     path = tmp_path / "launch.yaml"
@@ -155,7 +163,44 @@ def test_launcher_failure_names_what_did_not_come_up_and_stops_the_rest(tmp_path
                        timeout=300, cwd=REPO)
     assert r.returncode == 2
     assert "decode-0 exited with status 1 before it was ready" in r.stderr
-    assert "one rank per instance so far" in r.stderr
+    assert "stores its KV in the model dtype" in r.stderr
+    assert kvxfer_children() == []
+
+
+def test_a_rank_that_cannot_start_fails_its_instance_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Rank 1 of a TP 2 decode instance finds its side-channel port taken: the instance exits,
+    the launcher names it, and neither rank (nor anything else) is left running."""
+    import socket
+
+    dcfg = yaml.safe_load((CONFIGS / "hetero-tp-up-decode.yaml").read_text())
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", dcfg["connector"]["side_channel"]["port"] + 1))
+    blocker.listen()
+    try:
+        launch = small_launch(tmp_path, "hetero-tp-up.yaml", ready_timeout_s=60)
+        r = subprocess.run([sys.executable, "-m", "kvxfer", "launch", str(launch)], capture_output=True, text=True,
+                           timeout=300, cwd=REPO)
+    finally:
+        blocker.close()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "decode-tp2 exited with status 2 before it was ready" in r.stderr
+    assert "rank(s) exited (rank: status) {1: 1}" in r.stderr
+    assert kvxfer_children() == []
+
+
+def test_a_rank_killed_while_serving_takes_its_instance_down(tmp_path: Path) -> None:
+    """SIGKILL to rank 1 of a running TP 2 instance: rank 0 notices at its next step and exits
+    with a message naming the rank, instead of hanging in a collective."""
+    cfg_path = CONFIGS / "hetero-tp-prefill.yaml"
+    cfg = load_instance_config(cfg_path)
+    with started(tmp_path / "logs") as run:
+        inst = run.start(cfg.engine_id, ["serve", str(cfg_path)])
+        wait_ready(run, [(inst, _addr(cfg.server.host, cfg.server.port))], 120)
+        ranks = [c for c in kvxfer_children() if "--rank 1" in c]
+        assert len(ranks) == 1, kvxfer_children()
+        os.kill(int(ranks[0].split(":")[0]), signal.SIGKILL)
+        assert inst.proc.wait(timeout=60) == 2
+        assert "rank(s) exited (rank: status) {1: -9}" in inst.log.read_text()
     assert kvxfer_children() == []
 
 

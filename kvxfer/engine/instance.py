@@ -25,15 +25,31 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from kvxfer.cache import Admission, BlockManager, allocate_kv_cache, spec_from_config
+from kvxfer.cache import Admission, BlockManager, spec_from_config
 from kvxfer.config import InstanceConfig
-from kvxfer.connector import Connector
 from kvxfer.engine import messages as m
-from kvxfer.engine.model import Transformer
-from kvxfer.protocol import KVTransferParams, ProtocolError
+from kvxfer.engine.ranks import Ranks
+from kvxfer.engine.worker import (
+    Abandon,
+    AnyCommand,
+    DumpKV,
+    Forward,
+    ForwardSpan,
+    Hold,
+    Poll,
+    Reply,
+    StartLoad,
+    StatsOf,
+    Wait,
+    assemble_kv,
+)
+from kvxfer.protocol import KVTransferParams, ProtocolError, merge_params
 from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.aggregator import Finished, FinishedAggregator
 
 logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
 
 
 @dataclass
@@ -55,29 +71,36 @@ class Seq:
 
 
 class Instance:
-    """One rank of a prefill, decode or combined instance (tp = pp = 1 for now)."""
+    """The scheduler of a prefill, decode or combined instance; it runs in rank 0's process and
+    drives every rank (one process per TP/PP rank) through :class:`~kvxfer.engine.ranks.Ranks`."""
 
-    def __init__(self, cfg: InstanceConfig) -> None:
-        if cfg.world_size != 1:
-            raise ValueError(f"parallel: the reference engine runs one rank per instance so far; got tp="
-                             f"{cfg.parallel.tp} pp={cfg.parallel.pp} (the transfer layer itself handles any TP/PP)")
+    def __init__(self, cfg: InstanceConfig, config_path: str | None = None) -> None:
         if cfg.cache.dtype != cfg.model.dtype:
             raise ValueError(f"cache.dtype: the reference engine stores its KV in the model dtype "
                              f"({cfg.model.dtype}), got {cfg.cache.dtype}")
+        par = cfg.parallel
+        for name, size, n in (("num_heads", par.tp, cfg.model.num_heads),
+                              ("intermediate_size", par.tp, cfg.model.intermediate_size)):
+            if n % size:
+                raise ValueError(f"parallel.tp: the reference engine splits model.{name}={n} across tp ranks; "
+                                 f"tp={size} does not divide it")
         self.cfg = cfg
         self.layout = ParallelLayout.from_config(cfg)
-        self.model = Transformer(cfg.model, self.layout)
-        self.cache = allocate_kv_cache(spec_from_config(cfg), cfg.cache.num_blocks, cfg.cache.device,
-                                       cfg.cache.huge_pages)
+        self.transfers = cfg.role in ("prefill", "decode")
+        # KV bytes of one block summed over every rank (what a load moves per block)
+        self.bytes_per_block = sum(spec_from_config(cfg, s).bytes_per_block for s in range(par.pp)) * par.tp
+        self.last_rank = self.layout.rank(0, par.pp - 1)  # its replies carry the sampled tokens
         self.bm = BlockManager.from_config(cfg.cache)
-        self.connector: Connector | None = None
-        if cfg.role in ("prefill", "decode"):
-            self.connector = Connector.from_config(cfg, 0)
-            self.connector.register_kv_caches(self.cache)
+        self.ranks = Ranks(cfg, config_path)
+        self.finished = FinishedAggregator(cfg.world_size)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://{cfg.server.host}:{cfg.server.port}")
+        try:
+            self.sock.bind(f"tcp://{cfg.server.host}:{cfg.server.port}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise ValueError(f"server: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}") from None
         self.prefill_queue: list[Seq] = []
         self.decode_queue: list[Seq] = []  # decode requests waiting for blocks
         self.loading: dict[str, Seq] = {}
@@ -94,7 +117,10 @@ class Instance:
             progressed = False
             while not self.stop:
                 busy = bool(self.running) or progressed
-                if self.sock.poll(0 if busy else 2):
+                waiting = self.loading or self.held or self.decode_queue or self.prefill_queue
+                # idle: wake on a message, or every IDLE_POLL_MS to poll the connectors (and
+                # heartbeat the other ranks); a transfer in flight is polled every 2 ms
+                if self.sock.poll(0 if busy else 2 if waiting else IDLE_POLL_MS):
                     self._drain()
                 self._poll_connector()
                 self._admit_decodes()
@@ -105,10 +131,10 @@ class Instance:
             self.close()
 
     def close(self) -> None:
-        if self.connector is not None:
-            self.connector.close()
-            self.connector = None
-        self.sock.close(linger=0)
+        if hasattr(self, "sock"):
+            self.sock.close(linger=0)
+        if hasattr(self, "ranks"):
+            self.ranks.close()
 
     def _send(self, to: bytes, msg: m.EngineMessage) -> None:
         self.sock.send_multipart([to, b"", m.encode(msg)])
@@ -140,9 +166,9 @@ class Instance:
                 raise ValueError(f"{self.cfg.engine_id} is a prefill instance; it does not decode")
             self._check_prompt(msg.prompt, msg.max_tokens)
             seq = Seq(msg.request_id, list(msg.prompt), msg.max_tokens, ident, now, first_token=msg.first_token)
-            if msg.params is not None and self.connector is not None:
+            if msg.params is not None and self.transfers:
                 seq.params = KVTransferParams.from_bytes(msg.params)
-                self.connector.wait(seq.request_id, seq.params)  # renew the producer's lease while queued
+                self._on_all(Wait(request_id=seq.request_id, params=msg.params))  # renew the leases while queued
                 self.decode_queue.append(seq)
             else:
                 self.prefill_queue.append(seq)
@@ -152,7 +178,7 @@ class Instance:
             self._send(ident, m.Stats(engine_id=self.cfg.engine_id, free_blocks=self.bm.num_free_blocks,
                                       num_blocks=self.bm.num_blocks,
                                       running=len(self.running) + len(self.loading) + len(self.held),
-                                      connector=self.connector.stats() if self.connector else {}))
+                                      connector=self._connector_stats()))
         elif isinstance(msg, m.KVQuery):
             self._send(ident, self._kv_dump(msg.prompt))
         elif isinstance(msg, m.Shutdown):
@@ -169,14 +195,26 @@ class Instance:
             raise ValueError(f"max_tokens: expected >= 1 and prompt + max_tokens <= {self.cfg.model.max_position}")
 
     # ------------------------------------------------------------------ model
-    def _forward(self, seq: Seq, tokens: list[int], start: int) -> int:
-        """Compute tokens at positions start.. (writing their KV); return the greedy next token."""
-        alloc = self.bm.get(seq.request_id)
-        table = torch.as_tensor(alloc.block_ids, dtype=torch.int64)
-        positions = torch.arange(start, start + len(tokens))
-        hidden = self.model.embed_tokens(torch.as_tensor(tokens))
-        hidden = self.model.forward_layers(hidden, positions, self.cache, table, start + len(tokens))
-        return int(torch.argmax(self.model.logits(hidden[-1:])[0]))
+    def _on_all(self, cmd: AnyCommand) -> list[Reply]:
+        """Run one command on every rank; each rank's reply."""
+        return [replies[0] for replies in self.ranks.run([cmd])]
+
+    def _forward(self, work: list[tuple[Seq, list[int], int]]) -> list[int]:
+        """For each (request, tokens, start): compute the tokens at positions start.. on every
+        rank (writing their KV), in one batch; the greedy next token of each."""
+        spans = [ForwardSpan(block_ids=list(self.bm.get(seq.request_id).block_ids), tokens=tokens, start=start)
+                 for seq, tokens, start in work]
+        tokens = self._on_all(Forward(spans=spans))[self.last_rank].tokens
+        assert tokens is not None and len(tokens) == len(work)
+        return tokens
+
+    def _connector_stats(self) -> dict[str, float]:
+        """Every rank's connector counters, summed."""
+        total: dict[str, float] = {}
+        for r in self._on_all(StatsOf()):
+            for k, v in (r.stats or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
 
     def _growth(self) -> int:
         """Blocks the requests already admitted may still take as they decode."""
@@ -212,13 +250,14 @@ class Instance:
             self.prefill_queue.insert(0, seq)
             return False
         self.bm.allocate(seq.request_id, seq.prompt, max_cached_tokens=0)
-        first = self._forward(seq, seq.prompt, 0)
+        (first,) = self._forward([(seq, seq.prompt, 0)])
         self.bm.commit(seq.request_id)
         seq.num_computed = len(seq.prompt)
         now = time.monotonic() - seq.received
         if self.cfg.role == "prefill":
-            assert self.connector is not None
-            params = self.connector.hold(seq.request_id, self.bm.get(seq.request_id).block_ids, len(seq.prompt))
+            hold = Hold(request_id=seq.request_id, block_ids=list(self.bm.get(seq.request_id).block_ids),
+                        num_tokens=len(seq.prompt))
+            params = merge_params([KVTransferParams.from_bytes(r.params or b"") for r in self._on_all(hold)])
             self.held[seq.request_id] = seq
             self._send(seq.reply_to, m.Prefilled(request_id=seq.request_id, first_token=first,
                                                  params=params.to_bytes()))
@@ -236,15 +275,18 @@ class Instance:
             self.running.append(seq)
 
     def _decode_step(self) -> None:
+        """One token for every running request, in one step on the ranks."""
+        batch = []
         for seq in list(self.running):
-            token = seq.generated[-1]
             try:
-                self.bm.append_tokens(seq.request_id, [token])
+                self.bm.append_tokens(seq.request_id, [seq.generated[-1]])
             except ValueError as e:
                 self.running.remove(seq)
                 self._finish(seq, error=f"out of KV blocks while decoding: {e}")
                 continue
-            nxt = self._forward(seq, [token], seq.num_computed)
+            batch.append(seq)
+        tokens = self._forward([(seq, [seq.generated[-1]], seq.num_computed) for seq in batch]) if batch else []
+        for seq, nxt in zip(batch, tokens, strict=True):
             seq.num_computed += 1
             seq.generated.append(nxt)
             seq.token_times.append(time.monotonic() - seq.received)
@@ -261,10 +303,10 @@ class Instance:
 
     # ------------------------------------------------------------------ transfers
     def _admit_decodes(self) -> None:
-        assert self.connector is not None or not self.decode_queue
         while self.decode_queue:
             seq = self.decode_queue[0]
-            assert seq.params is not None and self.connector is not None
+            assert seq.params is not None
+            params = seq.params.to_bytes()
             align = math.lcm(self.cfg.cache.block_size, seq.params.block_size)
             hit = len(self.bm.prefix_hits(seq.prompt)) * self.cfg.cache.block_size
             cached = hit // align * align
@@ -273,26 +315,26 @@ class Instance:
                 return  # the lease is renewed meanwhile
             self.decode_queue.pop(0)
             if adm is Admission.NEVER:
-                self.connector.abandon(seq.request_id, seq.params, "cannot fit the decode cache")
+                self._on_all(Abandon(request_id=seq.request_id, params=params, reason="cannot fit the decode cache"))
                 self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens and {seq.max_tokens} output tokens "
                                         f"can never fit this cache")
                 continue
             alloc = self.bm.reserve(seq.request_id, seq.prompt, timeout_s=self.cfg.connector.timeouts.reservation_s,
                                     max_cached_tokens=cached)
             seq.load_started = time.monotonic()
-            try:
-                self.connector.start_load(seq.request_id, seq.params, alloc.block_ids, alloc.num_cached_tokens)
-            except ValueError as e:
-                logger.warning("request %s: cannot load (%s); computing the prompt here", seq.request_id, e)
-                self.bm.discard(seq.request_id)
-                self.prefill_queue.append(seq)
-                continue
+            # a rank that cannot start its part reports the request failed at the next poll
+            self._on_all(StartLoad(request_id=seq.request_id, params=params, block_ids=list(alloc.block_ids),
+                                   num_cached_tokens=alloc.num_cached_tokens))
             self.loading[seq.request_id] = seq
 
     def _poll_connector(self) -> None:
-        if self.connector is None:
+        if not self.transfers:
             return
-        f = self.connector.poll()
+        f = Finished()
+        for rank, r in enumerate(self._on_all(Poll())):
+            assert r.finished is not None
+            w = r.finished
+            f.extend(self.finished.add(rank, Finished(w.sending, w.receiving, w.failed, w.errors)))
         for rid in f.sending:  # prefill side: the readers are done with these blocks
             seq = self.held.pop(rid, None)
             if seq is not None and rid in self.bm.requests:
@@ -302,9 +344,8 @@ class Instance:
             self.bm.commit(rid)
             seq.loaded = True
             seq.transfer_s = time.monotonic() - seq.load_started
-            spec = self.cache.spec
-            seq.kv_bytes = (len(seq.prompt) - self.bm.get(rid).num_cached_tokens) * spec.bytes_per_block // \
-                spec.block_size
+            seq.kv_bytes = (len(seq.prompt) - self.bm.get(rid).num_cached_tokens) * self.bytes_per_block // \
+                self.cfg.cache.block_size
             seq.num_computed = len(seq.prompt)
             seq.generated = [seq.first_token if seq.first_token is not None else 0]
             seq.token_times = [time.monotonic() - seq.received]
@@ -317,27 +358,18 @@ class Instance:
             self.prefill_queue.append(seq)
 
     def _kv_dump(self, prompt: list[int]) -> m.KVDump:
-        """Token-major K and V of the prompt's full blocks that sit in the prefix cache."""
+        """Token-major K and V of the prompt's full blocks that sit in the prefix cache, gathered
+        from every rank: [layers, 2, tokens, kv heads, head size]."""
         blocks = [b.block_id for b in self.bm.prefix_hits(prompt)]
-        spec = self.cache.spec
-        n = len(blocks) * spec.block_size
-        ids = torch.as_tensor(blocks, dtype=torch.int64)
-        out = []
-        for layer in spec.layers:
-            for view in self.cache.layer_kv(layer):
-                assert view is not None
-                b = view.index_select(0, ids)
-                if spec.layout == "HND":
-                    b = b.transpose(1, 2)
-                out.append(b.reshape(n, spec.num_kv_heads, spec.storage_head_size))
-        data = torch.stack(out).contiguous() if out else torch.zeros(0)
-        return m.KVDump(num_tokens=n, data=data.numpy().tobytes())
+        n = len(blocks) * self.cfg.cache.block_size
+        parts = [r.data or b"" for r in self._on_all(DumpKV(block_ids=blocks))]
+        return m.KVDump(num_tokens=n, data=assemble_kv(self.cfg, parts, n).tobytes())
 
 
-def serve(cfg: InstanceConfig) -> None:
-    """Run an instance until it is told to shut down (or gets SIGTERM)."""
+def serve(cfg: InstanceConfig, config_path: str | None = None) -> None:
+    """Run an instance (rank 0, which starts the other ranks) until it is told to shut down."""
     torch.set_num_threads(1)  # instances share a small machine; the model is tiny
-    inst = Instance(cfg)
+    inst = Instance(cfg, config_path)
     print(f"kvxfer: {cfg.role} instance {cfg.engine_id} ready on {cfg.server.host}:{cfg.server.port}", flush=True)
     inst.serve()
 

@@ -9,7 +9,6 @@ instance's config with role ``both``) and compares the tokens one by one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import signal
 import subprocess
 import sys
@@ -33,14 +32,9 @@ from kvxfer.config import (
     to_yaml,
 )
 from kvxfer.engine import messages as m
+from kvxfer.engine.ranks import die_with_parent
 from kvxfer.engine.router import RoutedGenerated
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+from kvxfer.progress import Progress
 
 
 @dataclass
@@ -68,7 +62,7 @@ class Run:
         log = self.logdir / f"{name}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "kvxfer", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         child = Child(name, proc, log)
         self.children.append(child)
         return child
@@ -132,18 +126,6 @@ def make_workload(launch: LaunchConfig, vocab: int) -> list[m.Generate]:
                        max_tokens=w.output_tokens) for i in range(w.num_requests)]
 
 
-def _progress(done: int, total: int, t0: float, out: object = sys.stderr) -> None:
-    """A bar redrawn in place on a terminal; in a log, a line per quarter of the requests."""
-    if not sys.stderr.isatty():
-        if done == total or (total >= 4 and done % max(1, total // 4) == 0 and done):
-            print(f"  {done}/{total} requests  {time.monotonic() - t0:6.1f}s", file=sys.stderr, flush=True)
-        return
-    width = 30
-    filled = int(width * done / max(total, 1))
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  {time.monotonic() - t0:6.1f}s",
-          end="" if done < total else "\n", file=out, flush=True)  # type: ignore[call-overload]
-
-
 def run_workload(addr: str, requests: list[m.Generate], timeout_s: float, label: str) -> dict[str, RoutedGenerated]:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -152,17 +134,18 @@ def run_workload(addr: str, requests: list[m.Generate], timeout_s: float, label:
     results: dict[str, RoutedGenerated] = {}
     t0 = time.monotonic()
     print(f"{label}:", file=sys.stderr)
+    progress = Progress(len(requests))
     try:
         for r in requests:
             s.send_multipart([b"", m.encode(r)])
-        _progress(0, len(requests), t0)
+        progress.update(0)
         while len(results) < len(requests):
             left = timeout_s - (time.monotonic() - t0)
             if left <= 0 or not s.poll(int(min(left, 0.5) * 1000)):
                 if left <= 0:
                     raise LaunchError(f"{label}: {len(requests) - len(results)} of {len(requests)} requests did not "
                                       f"finish within {timeout_s:g}s")
-                _progress(len(results), len(requests), t0)
+                progress.update(len(results))
                 continue
             frame = s.recv_multipart()[-1]
             try:
@@ -174,7 +157,7 @@ def run_workload(addr: str, requests: list[m.Generate], timeout_s: float, label:
                 r = RoutedGenerated(result=g, ttft_s=g.token_times[0] if g.token_times else 0.0, prefill_engine="",
                                     decode_engine="", fallback=False)
             results[r.result.request_id] = r
-            _progress(len(results), len(requests), t0)
+            progress.update(len(results))
     finally:
         s.close(linger=0)
     return results

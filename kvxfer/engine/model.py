@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,15 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
     a, b = x[..., :half], x[..., half : 2 * half]
     return torch.cat([a * cos - b * sin, a * sin + b * cos, x[..., 2 * half :]], dim=-1)
+
+
+class Span(NamedTuple):
+    """New tokens of one request in a batch: their positions (the last of a context of
+    ``context_len`` tokens) and the request's block table."""
+
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    context_len: int
 
 
 class Transformer:
@@ -95,43 +105,51 @@ class Transformer:
         assert self.lm_head is not None
         return rms_norm(hidden, self.final_norm) @ self.lm_head
 
-    def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                       block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-        """Run this stage's layers for new tokens at ``positions`` (the last ones of a context of
-        ``context_len`` tokens): write their K/V into the cache, attend over the whole context."""
-        cfg = self.cfg
-        d = cfg.head_size
+    def forward_layers(self, hidden: list[torch.Tensor], spans: list[Span], cache: KVCache) -> list[torch.Tensor]:
+        """Run this stage's layers for a batch of requests (``hidden[i]``: the new tokens of
+        ``spans[i]``); write each one's K/V into its blocks, attend over its own context.
+
+        Each request is computed on its own, so its numbers do not depend on what it is batched
+        with (a batched matmul may round differently); the all-reduce, an elementwise sum, is
+        one per sublayer for the whole batch."""
+        d, theta = self.cfg.head_size, self.cfg.rope_theta
         bs = cache.spec.block_size
-        slots = positions
-        blk = block_table[slots // bs]
-        off = slots % bs
-        n_blocks = -(-context_len // bs)
-        table = block_table[:n_blocks]
-        t_new = len(positions)
+        nhd = cache.spec.layout == "NHD"
         for layer in self.layers:
             w = self.w[layer]
-            x = rms_norm(hidden, w["attn_norm"])
-            q = rotary((x @ w["wq"]).view(t_new, self.q_heads, d), positions, cfg.rope_theta)
-            k = rotary((x @ w["wk"]).view(t_new, self.kv_heads, d), positions, cfg.rope_theta)
-            v = (x @ w["wv"]).view(t_new, self.kv_heads, d)
             kc, vc = cache.layer_kv(layer)
             assert vc is not None
-            if cache.spec.layout == "NHD":
-                kc[blk, off] = k.to(kc.dtype)
-                vc[blk, off] = v.to(vc.dtype)
-                keys = kc[table].reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
-                vals = vc[table].reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
-            else:
-                kc[blk, :, off] = k.to(kc.dtype)
-                vc[blk, :, off] = v.to(vc.dtype)
-                keys = kc[table].transpose(1, 2).reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
-                vals = vc[table].transpose(1, 2).reshape(-1, self.kv_heads, d)[:context_len].to(self.dtype)
-            attn = self._attention(q, keys, vals, positions)
-            hidden = hidden + self.all_reduce(attn.reshape(t_new, -1) @ w["wo"])
-            x = rms_norm(hidden, w["mlp_norm"])
-            mlp = (torch.nn.functional.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
-            hidden = hidden + self.all_reduce(mlp)
+            outs = []
+            for h, s in zip(hidden, spans, strict=True):
+                t = len(s.positions)
+                x = rms_norm(h, w["attn_norm"])
+                q = rotary((x @ w["wq"]).view(t, self.q_heads, d), s.positions, theta)
+                k = rotary((x @ w["wk"]).view(t, self.kv_heads, d), s.positions, theta)
+                v = (x @ w["wv"]).view(t, self.kv_heads, d)
+                blk, off = s.block_table[s.positions // bs], s.positions % bs
+                table = s.block_table[: -(-s.context_len // bs)]
+                if nhd:
+                    kc[blk, off], vc[blk, off] = k.to(kc.dtype), v.to(vc.dtype)
+                    kb, vb = kc[table], vc[table]
+                else:
+                    kc[blk, :, off], vc[blk, :, off] = k.to(kc.dtype), v.to(vc.dtype)
+                    kb, vb = kc[table].transpose(1, 2), vc[table].transpose(1, 2)
+                keys = kb.reshape(-1, self.kv_heads, d)[: s.context_len].to(self.dtype)
+                vals = vb.reshape(-1, self.kv_heads, d)[: s.context_len].to(self.dtype)
+                outs.append(self._attention(q, keys, vals, s.positions).reshape(t, -1) @ w["wo"])
+            hidden = [h + o for h, o in zip(hidden, self._reduce(outs), strict=True)]
+            outs = []
+            for h in hidden:
+                x = rms_norm(h, w["mlp_norm"])
+                outs.append((torch.nn.functional.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"])
+            hidden = [h + o for h, o in zip(hidden, self._reduce(outs), strict=True)]
         return hidden
+
+    def _reduce(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-reduce over the TP ranks for every request's partial sums."""
+        if len(parts) == 1:
+            return [self.all_reduce(parts[0])]
+        return list(self.all_reduce(torch.cat(parts)).split([len(p) for p in parts]))
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
