@@ -137,6 +137,15 @@ def cmd_route(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+BENCHES = {"transfer": "kvxfer.bench.transfer", "repack": "kvxfer.bench.repack", "e2e": "kvxfer.bench.e2e"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return int(importlib.import_module(BENCHES[args.what]).main(args.args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
@@ -162,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="benchmarks with same-run baselines: transfer, repack, e2e "
+                                     "(kvxfer bench WHAT --help for each)")
+    p.add_argument("what", choices=sorted(BENCHES))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("route", help="run the router of a launch file")
     p.add_argument("file", metavar="FILE")

@@ -181,6 +181,8 @@ class ServerConfig(Config):
 
     host: str = "127.0.0.1"
     port: Port = 8100
+    # Prometheus metrics over HTTP (/metrics): rank r of the instance on metrics_port + r; off when unset
+    metrics_port: Port | None = None
 
 
 class InstanceConfig(Config):

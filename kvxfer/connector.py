@@ -30,6 +30,7 @@ from kvxfer.dataplane import (
     load_data_plane,
 )
 from kvxfer.handshake import Authenticator, SideChannelClient, SideChannelServer, read_secret
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import (
     Abandon,
     Ack,
@@ -89,6 +90,8 @@ class Connector:
         self.consumer: Consumer | None = None
         self.server: SideChannelServer | None = None
         self.auth = Authenticator(self.secret)
+        self.metrics = ConnectorMetrics(config.engine_id, rank, data_plane.name, clock)
+        self.metrics.producer = self._producer_stats
 
     @classmethod
     def from_config(cls, config: InstanceConfig, rank: int = 0) -> Connector:
@@ -130,7 +133,8 @@ class Connector:
         if self.config.role in ("decode", "both"):
             self.consumer = Consumer(self.config.engine_id, self.rank, self.layout, self.tp_rank, self.pp_rank,
                                      cache, self.plane, self.client, self.secret, self.config.model.name,
-                                     t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage)
+                                     t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage,
+                                     metrics=self.metrics)
         logger.info("rank %d registered %d regions (%.1f MiB); side channel %s:%d", self.rank,
                     len(cache.regions), cache.nbytes / 2**20, sc.host, self.server.port)
 
@@ -155,15 +159,14 @@ class Connector:
         return out
 
     def stats(self) -> dict[str, float]:
-        s: dict[str, float] = {}
-        if self.holds is not None:
-            s.update(held_requests=len(self.holds), held_blocks=self.holds.held_blocks(),
-                     refused_reads=self.holds.refused_reads)
-        if self.consumer is not None:
-            c = self.consumer.stats
-            s.update(loads_ok=c.loads_ok, loads_failed=c.loads_failed, bytes_received=c.bytes,
-                     descriptors=c.descriptors, handshakes=c.handshakes, handshake_s=c.handshake_s)
-        return s
+        """Counters of this rank's connector (see :class:`kvxfer.metrics.ConnectorMetrics`)."""
+        return self.metrics.snapshot()
+
+    def _producer_stats(self) -> dict[str, float]:
+        holds = self.holds
+        if holds is None:
+            return {}
+        return {"held_requests": len(holds), "held_blocks": holds.held_blocks(), "refused_reads": holds.refused_reads}
 
     def close(self) -> None:
         if self.consumer is not None:

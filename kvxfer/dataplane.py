@@ -123,6 +123,7 @@ class DataPlane(ABC):
 
     name: ClassVar[str]
     known_options: ClassVar[frozenset[str] | None] = None  # None: accept any option
+    cross_process: ClassVar[bool] = True  # False: both ranks must live in one process (tests)
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         self.options = dict(options or {})

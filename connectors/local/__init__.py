@@ -28,6 +28,7 @@ class LocalDataPlane(DataPlane):
     """Copies descriptors between two planes of the same process (synchronously)."""
 
     name = "local"
+    cross_process = False
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         super().__init__(options)

@@ -20,6 +20,7 @@ from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import Connector
 from kvxfer.engine.model import Span, Transformer
+from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import KVTransferParams
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
@@ -142,8 +143,20 @@ class Worker:
             self.connector = Connector.from_config(cfg, rank)
             self.connector.register_kv_caches(self.cache)
         self.refused = Finished()  # loads this rank refused to start, reported at the next poll
+        self.metrics_server: MetricsServer | None = None
+        if cfg.server.metrics_port is not None and self.connector is not None:
+            try:
+                self.metrics_server = MetricsServer(cfg.server.host, cfg.server.metrics_port + rank if
+                                                    cfg.server.metrics_port else 0)
+            except ValueError:
+                self.close()
+                raise
+            self.metrics_server.add(self.connector.metrics)
 
     def close(self) -> None:
+        if getattr(self, "metrics_server", None) is not None:
+            self.metrics_server.close()  # type: ignore[union-attr]
+            self.metrics_server = None
         if self.connector is not None:
             self.connector.close()
             self.connector = None

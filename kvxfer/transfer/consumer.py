@@ -23,6 +23,7 @@ import numpy as np
 from kvxfer.cache.tensors import KVCache, MemoryRegion
 from kvxfer.dataplane import BatchResult, DataPlane, Descriptors
 from kvxfer.handshake import HandshakeError, SideChannelClient
+from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import (
     Abandon,
     DoneNotice,
@@ -87,16 +88,6 @@ class Load:
         return self.local_blocks_full[self.skip_tokens // self.local_block_size :].tolist()
 
 
-@dataclass
-class ConsumerStats:
-    loads_ok: int = 0
-    loads_failed: int = 0
-    bytes: int = 0
-    descriptors: int = 0
-    handshakes: int = 0
-    handshake_s: float = 0.0
-
-
 class Consumer:
     """Loads requests into this rank's cache; thread-safe entry points, one worker thread."""
 
@@ -104,7 +95,8 @@ class Consumer:
                  cache: KVCache, plane: DataPlane, client: SideChannelClient, secret: bytes | None,
                  model: str, transfer_s: float, lease_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 on_loaded: Callable[[list[int]], None] | None = None) -> None:
+                 on_loaded: Callable[[list[int]], None] | None = None,
+                 metrics: ConnectorMetrics | None = None) -> None:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
@@ -120,7 +112,7 @@ class Consumer:
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
-        self.stats = ConsumerStats()
+        self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
         self._peers: dict[tuple[str, int], Peer] = {}  # (engine, rank) -> latest generation's peer
         self._loads: dict[str, Load] = {}
         self._waiting: dict[str, KVTransferParams] = {}
@@ -165,6 +157,7 @@ class Consumer:
             load = Load(request_id, params, ids[:need], num_cached_tokens, self.clock() + self.transfer_s,
                         local_block_size=L)
             self._loads[request_id] = load
+            self.stats.load_started()
         self._jobs.put(("load", load))
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
@@ -231,8 +224,7 @@ class Consumer:
             del self._peers[key]
         t0 = time.monotonic()
         meta, token = self.client.handshake(r.host, r.port, self.engine_id, self.rank, self.layout, self.secret)
-        self.stats.handshakes += 1
-        self.stats.handshake_s += time.monotonic() - t0
+        self.stats.handshook(time.monotonic() - t0)
         self._check_peer(meta, engine_id, r, params)
         side = SideLayout.from_remote(meta.spec, meta.regions)
         peer_id = f"{engine_id}/{r.rank}/{meta.generation}"
@@ -292,7 +284,7 @@ class Consumer:
                         load.staged.append((plan, peer))
                         parts.append(d)
                 descs = concat(parts)
-                self.stats.descriptors += len(descs)
+                self.stats.planned(len(descs))
                 load.nbytes += descs.nbytes
                 batch = self.plane.read(peer.peer_id, load.request_id, descs)
                 load.batches[batch] = peer.peer_id
@@ -327,7 +319,7 @@ class Consumer:
                     if p.peer_id == peer_id:
                         del self._peers[key]
             load.batches.clear()
-            self._fail(load, f"not loaded within {self.transfer_s:g}s")
+            self._fail(load, f"not loaded within {self.transfer_s:g}s", timed_out=True)
 
     def _complete(self, load: Load) -> None:
         try:
@@ -352,8 +344,7 @@ class Consumer:
             self._loads.pop(load.request_id, None)
             self._done.receiving.append(load.request_id)
             self._ready.set()
-        self.stats.loads_ok += 1
-        self.stats.bytes += load.nbytes
+        self.stats.load_finished(time.monotonic() - load.started, load.nbytes)
         logger.debug("request %s: loaded %d bytes in %.1f ms", load.request_id, load.nbytes,
                      (time.monotonic() - load.started) * 1e3)
 
@@ -361,7 +352,7 @@ class Consumer:
         return DoneNotice(request_id=load.request_id, engine_id=self.engine_id, rank=self.rank, layout=self.layout,
                           generation=generation, token=token)
 
-    def _fail(self, load: Load, why: str) -> None:
+    def _fail(self, load: Load, why: str, timed_out: bool = False) -> None:
         self._release_staging(load)
         logger.warning("request %s: load from %s failed: %s", load.request_id, load.params.engine_id, why)
         for r in load.params.ranks:
@@ -372,7 +363,7 @@ class Consumer:
             self._done.failed[load.request_id] = load.invalid_blocks
             self._done.errors[load.request_id] = why
             self._ready.set()
-        self.stats.loads_failed += 1
+        self.stats.load_finished(time.monotonic() - load.started, error=why, timed_out=timed_out)
 
     def _release_staging(self, load: Load) -> None:
         if load.staged:
