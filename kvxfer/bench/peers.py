@@ -10,17 +10,21 @@ local region, local offset, length) into it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 PEERS = ("nixl", "mooncake")
+MOONCAKE_BATCH = 256
 _MODULES = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}
 
 
@@ -105,11 +109,107 @@ class MooncakeConsumer:
 
     def read(self, rr: np.ndarray, ro: np.ndarray, lr: np.ndarray, lo: np.ndarray, ln: np.ndarray,
              timeout_s: float = 120.0) -> None:
-        rc = self.engine.batch_transfer_sync_read(self.target, (self.local_bases[lr] + lo).tolist(),
-                                                  (self.remote_bases[rr] + ro).tolist(), ln.tolist())
-        if rc:
-            raise RuntimeError(f"mooncake: batch read failed ({rc})")
+        local, remote = (self.local_bases[lr] + lo).tolist(), (self.remote_bases[rr] + ro).tolist()
+        lengths = ln.tolist()
+        # its TCP transport rejects batches larger than its lane queues (seen: "queue-full" at 16384 pieces)
+        for i in range(0, len(lengths), MOONCAKE_BATCH):
+            j = i + MOONCAKE_BATCH
+            rc = self.engine.batch_transfer_sync_read(self.target, local[i:j], remote[i:j], lengths[i:j])
+            if rc:
+                raise RuntimeError(f"mooncake: batch read failed ({rc})")
 
 
 PRODUCERS = {"nixl": NixlProducer, "mooncake": MooncakeProducer}
 CONSUMERS = {"nixl": NixlConsumer, "mooncake": MooncakeConsumer}
+
+
+# ------------------------------------------------------------------ a process pair per peer
+
+def producer_main(name: str, make_cache: Callable[[], Any], conn: Any) -> None:
+    """The peer's producer process: the cache, registered; its info; then wait for "stop"."""
+    cache = make_cache()
+    try:
+        peer = PRODUCERS[name](cache.tensors)
+        conn.send(("ok", msgspec.msgpack.encode(peer.info)))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.poll(3600)
+    conn.recv()
+
+
+def consumer_main(name: str, make_cache: Callable[[], Any], info: bytes, conn: Any) -> None:
+    """The peer's consumer process: for each case sent, time its reads and check the bytes."""
+    from kvxfer.bench.transfer import check_arrived, clear, stat, timed
+
+    cache = make_cache()
+    try:
+        peer = CONSUMERS[name](cache.tensors, msgspec.msgpack.decode(info))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        case = conn.recv()
+        if case is None:
+            return
+        src, dst, rr, ro, lr, lo, ln, budget = case
+        try:
+            clear(cache, dst)
+            times = timed(lambda d=(rr, ro, lr, lo, ln): peer.read(*d), budget)
+            check_arrived(cache, src, dst, name)
+            conn.send(("ok", stat(times, int(ln.sum()))))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class PeerPair:
+    """Producer and consumer processes of one peer; a crash in either is reported, not fatal."""
+
+    def __init__(self, name: str, make_cache: Callable[[], Any], timeout_s: float = 300.0) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.name, self.timeout_s = name, timeout_s
+        self.ppipe, child = ctx.Pipe()
+        self.pproc = ctx.Process(target=producer_main, args=(name, make_cache, child), daemon=True)
+        self.pproc.start()
+        self.cproc: Any = None
+        status, info = self._recv(self.ppipe, self.pproc)
+        if status != "ok":
+            self.close()
+            raise RuntimeError(f"producer side: {info}")
+        self.cpipe, child = ctx.Pipe()
+        self.cproc = ctx.Process(target=consumer_main, args=(name, make_cache, info, child), daemon=True)
+        self.cproc.start()
+        status, why = self._recv(self.cpipe, self.cproc)
+        if status != "ok":
+            self.close()
+            raise RuntimeError(f"consumer side: {why}")
+
+    def _recv(self, pipe: Any, proc: Any) -> tuple[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while not pipe.poll(0.2):
+            if not proc.is_alive():
+                return "error", f"its process died (exit code {proc.exitcode})"
+            if time.monotonic() > deadline:
+                return "error", f"no answer in {self.timeout_s:g}s"
+        return pipe.recv()
+
+    def measure(self, case: tuple[Any, ...]) -> tuple[str, Any]:
+        self.cpipe.send(case)
+        return self._recv(self.cpipe, self.cproc)
+
+    def alive(self) -> bool:
+        return self.pproc.is_alive() and self.cproc is not None and self.cproc.is_alive()
+
+    def close(self) -> None:
+        for pipe_name, proc in (("cpipe", self.cproc), ("ppipe", self.pproc)):
+            if proc is None:
+                continue
+            with contextlib.suppress(Exception):
+                getattr(self, pipe_name).send(None)
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)

@@ -23,6 +23,7 @@ raw socket; ucx and NIXL: raw ucxx, one message when contiguous, the pieces when
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -36,14 +37,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
 from kvxfer.bench import peers as peer_mod
 from kvxfer.cache import KVCache, allocate_kv_cache, spec_from_config
 from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, SideChannelConfig
-from kvxfer.connector import Connector, Descriptors, available_data_planes
+from kvxfer.connector import Connector, Descriptors, available_data_planes, load_data_plane
 from kvxfer.progress import Progress
 from kvxfer.protocol import KVTransferParams
 
@@ -95,14 +95,15 @@ def _pieces(views: dict[int, memoryview], regions: np.ndarray, offsets: np.ndarr
 
 
 class UcxRaw:
-    """Raw ucxx on the ucx plane's own worker and loop thread."""
+    """Raw ucxx between the two processes, on the ucx plane's own worker and loop thread: tag
+    messages over an endpoint, progressed the way the plane progresses its own (continuously
+    while a transfer is in flight; an idle worker must not spin a core through the others'
+    measurements)."""
 
-    def __init__(self, plane: Any, peer_worker: bytes | None, max_bytes: int) -> None:
+    def __init__(self, plane: Any, peer_worker: bytes, max_bytes: int = 0) -> None:
         self.rt = plane.rt
         ucxx = self.rt.ucxx
         self.tag = ucxx.types.Tag(RAW_TAG)
-        if peer_worker is None:  # the receiving side: worker-level receives need no endpoint
-            return
         self.big = np.ones(max_bytes, dtype=np.uint8)
 
         async def connect() -> Any:
@@ -111,8 +112,15 @@ class UcxRaw:
 
         self.ep = self.rt.submit(connect()).result(30)
 
+    def _run(self, coro_fn: Callable[[], Any]) -> Any:
+        async def go() -> None:
+            async with self.rt.active():
+                await coro_fn()
+
+        return self.rt.submit(go())
+
     def send_one(self, nbytes: int) -> None:
-        self.rt.submit(self.ep.send(self.big[:nbytes], tag=self.tag, force_tag=True)).result(120)
+        self._run(lambda: self.ep.send(self.big[:nbytes], tag=self.tag, force_tag=True)).result(120)
 
     def send_pieces(self, views: list[memoryview]) -> None:
         import asyncio
@@ -122,27 +130,32 @@ class UcxRaw:
                 await asyncio.gather(*(self.ep.send(np.frombuffer(v, np.uint8), tag=self.tag, force_tag=True)
                                        for v in views[i : i + INFLIGHT]))
 
-        self.rt.submit(go()).result(300)
+        self._run(go).result(300)
 
     def recv_one(self, buf: np.ndarray) -> Any:
-        return self.rt.submit(self.rt.ucxx.recv(buf, tag=self.tag))
+        return self._run(lambda: self.ep.recv(buf, tag=self.tag, force_tag=True))
 
     def recv_pieces(self, views: list[np.ndarray]) -> Any:
         import asyncio
 
         async def go() -> None:
             for i in range(0, len(views), INFLIGHT):
-                await asyncio.gather(*(self.rt.ucxx.recv(v, tag=self.tag) for v in views[i : i + INFLIGHT]))
+                await asyncio.gather(*(self.ep.recv(v, tag=self.tag, force_tag=True) for v in views[i : i + INFLIGHT]))
 
-        return self.rt.submit(go())
+        return self._run(go)
 
 
 # ------------------------------------------------------------------ producer process
 
+def bench_cache(num_blocks: int, fill: bool) -> KVCache:
+    cache = allocate_kv_cache(spec_from_config(make_cfg("prefill", "tcp", num_blocks)), num_blocks)
+    if fill:
+        fill_pattern(cache)
+    return cache
+
+
 def producer(names: list[str], num_blocks: int, conn: Any) -> None:
-    cfg = make_cfg("prefill", names[0] if names else "tcp", num_blocks)
-    cache = allocate_kv_cache(spec_from_config(cfg), num_blocks)
-    fill_pattern(cache)
+    cache = bench_cache(num_blocks, fill=True)
     conns: dict[str, Connector] = {}
     for name in names:
         conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks))
@@ -155,7 +168,6 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
     conn.send(path)
     raw: socket.socket | None = None
     ucx_raw: UcxRaw | None = None
-    peers: dict[str, Any] = {}
     n = 0
     from kvxfer.connectors.tcp import send_pieces
 
@@ -179,7 +191,7 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
                     send_pieces(raw, pieces)
             elif op == "ucx_connect":
                 ucx_raw = UcxRaw(conns["ucx"].plane, cmd[1], cmd[2])
-                conn.send("ok")
+                conn.send(conns["ucx"].plane.rt.address)
             elif op == "ucx_one":
                 assert ucx_raw is not None
                 ucx_raw.send_one(cmd[1])
@@ -188,12 +200,6 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
                 assert ucx_raw is not None
                 ucx_raw.send_pieces(_pieces(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:])))
                 conn.send("ok")
-            elif op == "peer":
-                try:
-                    peers[cmd[1]] = peer_mod.PRODUCERS[cmd[1]](cache.tensors)
-                    conn.send(msgspec.msgpack.encode(peers[cmd[1]].info))
-                except Exception as e:
-                    conn.send(f"error: {type(e).__name__}: {e}")
             elif op == "stop":
                 break
     finally:
@@ -234,12 +240,14 @@ class Bench:
         for name in args.connectors or sorted(installed):
             if name not in installed:
                 self.skipped[name] = f"not installed (installed: {', '.join(sorted(installed))})"
-            elif not installed[name].cross_process:
+            elif not load_data_plane(name).cross_process:
                 self.skipped[name] = "in-process only; nothing to measure between two processes"
             else:
                 self.names.append(name)
         self.peers = list(peer_mod.PEERS) if args.peers else []
         self.records: list[dict[str, Any]] = []
+        self.cases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, Descriptors]] = {}
+        self.baselines: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
 
     def run(self) -> list[dict[str, Any]]:
         args = self.args
@@ -249,8 +257,7 @@ class Bench:
         proc.start()
         try:
             raw_path = self._recv()
-            self.cache = allocate_kv_cache(spec_from_config(make_cfg("decode", "tcp", self.num_blocks)),
-                                           self.num_blocks)
+            self.cache = bench_cache(self.num_blocks, fill=False)
             self.conns = {}
             for name in self.names:
                 self.conns[name] = Connector.from_config(make_cfg("decode", name, self.num_blocks))
@@ -262,7 +269,6 @@ class Bench:
             self.memcpy_src.fill_(1)
             self.memcpy_dst = torch.empty_like(self.memcpy_src)
             self.ucx_raw = self._ucx_raw() if "ucx" in self.conns else None
-            self.peer_consumers = self._start_peers()
             cases = [(p, t) for p in args.patterns for t in args.tokens]
             progress = Progress(len(cases), "cases")
             rng = np.random.default_rng(0)
@@ -283,7 +289,39 @@ class Bench:
                 proc.kill()
             for c in getattr(self, "conns", {}).values():
                 c.close()
+        for name in self.peers:
+            self._run_peer(name)
         return self.records
+
+    def _run_peer(self, name: str) -> None:
+        """A peer in its own process pair, after kvxfer's: its threads must not load the cores
+        while anything else is measured, and a crash in it must not end the run."""
+        why = peer_mod.missing_reason(name)
+        if why is not None:
+            self.skipped[name] = why
+            return
+        print(f"{name}: starting its own producer and consumer processes", file=sys.stderr)
+        try:
+            pair = peer_mod.PeerPair(name, functools.partial(bench_cache, self.num_blocks, True))
+        except RuntimeError as e:
+            self.skipped[name] = f"failed to start: {e}"
+            return
+        progress = Progress(len(self.cases), f"{name} cases")
+        try:
+            for i, ((pat, tokens), (src, dst, d)) in enumerate(self.cases.items()):
+                progress.update(i)
+                status, r = pair.measure((src, dst, d.remote_region, d.remote_offset, d.local_region,
+                                          d.local_offset, d.length, self.args.budget_s))
+                if status != "ok":
+                    self.skipped[name] = f"failed at {pat} {tokens} tokens: {r}"
+                    if not pair.alive():
+                        break
+                    continue
+                self._add(name, "peer", pat, tokens, src, d, r)
+                print(format_row(self.records[-1]), flush=True)
+            progress.update(len(self.cases))
+        finally:
+            pair.close()
 
     def _recv(self, timeout_s: float = 300.0) -> Any:
         if not self.pipe.poll(timeout_s):
@@ -291,29 +329,10 @@ class Bench:
         return self.pipe.recv()
 
     def _ucx_raw(self) -> UcxRaw:
-        raw = UcxRaw(self.conns["ucx"].plane, None, 0)
-        self.pipe.send(("ucx_connect", self.conns["ucx"].plane.rt.address, self.max_blocks *
-                        self.cache.spec.bytes_per_block))
-        assert self._recv() == "ok"
-        return raw
-
-    def _start_peers(self) -> dict[str, Any]:
-        out = {}
-        for name in self.peers:
-            why = peer_mod.missing_reason(name)
-            if why is None:
-                self.pipe.send(("peer", name))
-                reply = self._recv()
-                if isinstance(reply, str):
-                    why = f"producer side failed: {reply}"
-                else:
-                    try:
-                        out[name] = peer_mod.CONSUMERS[name](self.cache.tensors, msgspec.msgpack.decode(reply))
-                    except Exception as e:
-                        why = f"failed to start: {type(e).__name__}: {e}"
-            if why is not None:
-                self.skipped[name] = why
-        return out
+        """Endpoints both ways: the producer sends on its own, this process receives on its own."""
+        plane = self.conns["ucx"].plane
+        self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block))
+        return UcxRaw(plane, self._recv())
 
     # -------------------------------------------------------------- one pattern x size
     def _case(self, pat: str, tokens: int, src: np.ndarray, dst: np.ndarray) -> None:
@@ -345,31 +364,31 @@ class Bench:
         if descs is None:  # no connector: the pieces a connector would move
             descs = self._plan_without_connector(src, dst)
         nbytes = descs.nbytes
-        rr, ro, ln = descs.remote_region, descs.remote_offset, descs.length
-        lr, lo = descs.local_region, descs.local_offset
         baselines = {"memcpy": stat(timed(lambda: self.memcpy_dst[:nbytes].copy_(self.memcpy_src[:nbytes]),
                                           budget), nbytes)}
         baselines["raw socket"] = stat(self._raw_socket(descs, budget), nbytes)
         if self.ucx_raw is not None:
             baselines.update(self._raw_ucxx(descs, budget))
-        for name, peer in self.peer_consumers.items():
-            clear(self.cache, dst)
-            times = timed(lambda peer=peer: peer.read(rr, ro, lr, lo, ln), budget)
-            check_arrived(self.cache, src, dst, name)
-            results[name] = {**stat(times, nbytes), "descriptors": len(descs)}
+        self.cases[(pat, tokens)] = (src, dst, descs)
+        self.baselines[(pat, tokens)] = baselines
         memcpy = baselines["memcpy"]["gbps"]
         for name, b in baselines.items():
             self.records.append({"connector": name, "kind": "baseline", **base, "bytes": nbytes, **b,
                                  "descriptors": len(descs), "baseline": None, "baseline_gbps": None,
                                  "ratio": None, "memcpy_gbps": memcpy, "x_memcpy": b["gbps"] / memcpy})
         for name, r in results.items():
-            bname = self._baseline_of(name, pat, baselines)
-            bg = baselines[bname]["gbps"]
-            kind = "peer" if name in self.peer_consumers else "connector"
-            self.records.append({"connector": name, "kind": kind, **base, "bytes": nbytes, **r, "baseline": bname,
-                                 "baseline_gbps": bg, "ratio": r["gbps"] / bg, "memcpy_gbps": memcpy,
-                                 "x_memcpy": r["gbps"] / memcpy})
+            self._add(name, "connector", pat, tokens, src, descs, r)
         self._print_case(pat, tokens)
+
+    def _add(self, name: str, kind: str, pat: str, tokens: int, src: np.ndarray, descs: Descriptors,
+             r: dict[str, Any]) -> None:
+        baselines = self.baselines[(pat, tokens)]
+        bname = self._baseline_of(name, pat, baselines)
+        bg, memcpy = baselines[bname]["gbps"], baselines["memcpy"]["gbps"]
+        self.records.append({"connector": name, "kind": kind, "pattern": pat, "tokens": tokens, "blocks": len(src),
+                             "bytes": descs.nbytes, "descriptors": len(descs), **r, "baseline": bname,
+                             "baseline_gbps": bg, "ratio": r["gbps"] / bg, "memcpy_gbps": memcpy,
+                             "x_memcpy": r["gbps"] / memcpy})
 
     def _timed_load(self, load: Callable[[], None], budget: float) -> list[float]:
         load()  # the first includes the handshake
