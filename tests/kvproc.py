@@ -117,6 +117,11 @@ def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
                     conn.send(("released", list(released)))
                 elif cmd == "stats":
                     conn.send(("stats", c.stats()))
+                elif isinstance(cmd, tuple) and cmd[0] == "hold":  # ("hold", rid, blocks, ntok)
+                    _, rid, blocks, ntok = cmd
+                    if fill_mode == "oracle":
+                        fill(cache, cfg, tp_rank, blocks, ntok)
+                    conn.send(("params", c.hold(rid, blocks, ntok).to_bytes()))
             released.extend(c.poll().sending)
         c.close()
         conn.send(("closed", None))
@@ -187,6 +192,64 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
         conn.send(("result", *result))
     except Exception:
         conn.send(("error", traceback.format_exc(), 0.0))
+
+
+def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] | None = None) -> None:
+    """A long-lived consumer rank with a BlockManager: ("load", params, timeout_s) reserves
+    blocks, loads, checks against the oracle (when ``check``), and commits and frees them on
+    success or discards them on failure; answers ("result", status, invalid, why, elapsed).
+    ("pool",) answers (free, total); ("stats",) the connector's stats; "stop" ends it."""
+    import os
+
+    from kvxfer.cache import BlockManager
+
+    os.environ.update(env or {})
+    try:
+        cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
+        tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
+        cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
+        c = Connector.from_config(cfg, rank)
+        c.register_kv_caches(cache)
+        bm = BlockManager.from_config(cfg.cache)
+        conn.send(("ready", None))
+        while True:
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd[0] == "pool":
+                conn.send(("pool", (bm.num_free_blocks, bm.num_blocks)))
+            elif cmd[0] == "stats":
+                conn.send(("stats", c.stats()))
+            elif cmd[0] == "load":
+                _, raw, timeout_s, verify = cmd
+                params = KVTransferParams.from_bytes(raw)
+                rid = params.request_id
+                # distinct token ids per request: no prefix hit between requests
+                alloc = bm.reserve(rid, [hash((rid, i)) & 0x7FFFFFFF for i in range(params.num_tokens)],
+                                   timeout_s=600, max_cached_tokens=0)
+                t0 = time.monotonic()
+                c.start_load(rid, params, alloc.block_ids)
+                out: tuple[Any, ...] = ("result", "hung", [], "", 0.0)
+                while time.monotonic() - t0 < timeout_s:
+                    f = c.poll(timeout_s=0.05)
+                    if rid in f.receiving:
+                        why = check(cache, cfg, tp_rank, alloc.block_ids, params.num_tokens) if verify else None
+                        bm.commit(rid)
+                        bm.free(rid)
+                        out = ("result", "ok" if why is None else "mismatch", [], why or "", time.monotonic() - t0)
+                        break
+                    if rid in f.failed:
+                        invalid = sorted(f.failed[rid])
+                        expected = sorted(bm.get(rid).new_block_ids)
+                        bm.discard(rid)
+                        status = "failed" if invalid == expected else "failed-wrong-ids"
+                        out = ("result", status, invalid, f.errors.get(rid, ""), time.monotonic() - t0)
+                        break
+                conn.send(out)
+        c.close()
+        conn.send(("closed", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
 
 
 CTX = mp.get_context("spawn")

@@ -128,14 +128,14 @@ class _Runtime:
 
         self.ucxx = ucxx
         self.progress_mode = progress_mode
+        self.transfers = 0  # in flight; set before the loop thread's idle tick reads it
+        self._spinner: asyncio.Future[None] | None = None
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
         self.thread.start()
         ready.result(timeout=30)
         self.plane_ids = itertools.count(1)
-        self.transfers = 0
-        self._spinner: asyncio.Future[None] | None = None
 
     def _run(self, ready: Future[None]) -> None:
         asyncio.set_event_loop(self.loop)
@@ -452,10 +452,12 @@ class UcxDataPlane(HostRegionPlane):
             self._refuse_once(hello.engine_id, "connection without a valid handshake token: ignored")
             return
         key = (hello.worker, hello.plane)
-        if key not in self._clients:
-            ucxx = self.ucxx
-            self._clients[key] = await ucxx.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
+        old = self._clients.pop(key, None)
+        if old is not None:  # the consumer connected again: it dropped its end after a failure
+            old.abort()
+        ucxx = self.ucxx
+        self._clients[key] = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
 
     async def _serve(self, req: ReadRequest) -> None:
         async with self.rt.active():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,8 +42,17 @@ def _bases(tensors: list[torch.Tensor]) -> list[int]:
     return [t.data_ptr() for t in tensors]
 
 
+def _ucx_env() -> None:
+    """NIXL's UCX backend gets the transports kvxfer's ucx plane uses by default (no CMA, no
+    CUDA transports on a host without a GPU), so the two are compared on the same footing."""
+    from kvxfer.connectors.ucx import DEFAULT_TLS
+
+    os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
+
+
 class NixlProducer:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
+        _ucx_env()
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent("kvxfer-bench-producer", nixl_agent_config(backends=["UCX"]))
@@ -52,6 +62,7 @@ class NixlProducer:
 
 class NixlConsumer:
     def __init__(self, tensors: list[torch.Tensor], info: dict[str, Any]) -> None:
+        _ucx_env()
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent("kvxfer-bench-consumer", nixl_agent_config(backends=["UCX"]))

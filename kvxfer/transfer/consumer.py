@@ -300,8 +300,10 @@ class Consumer:
         if load is None or res.batch_id not in load.batches:
             return
         del load.batches[res.batch_id]
-        if not res.ok and load.error is None:
-            load.error = res.error
+        if not res.ok:
+            if load.error is None:
+                load.error = res.error
+            self._forget(res.peer_id)  # the next load handshakes again, on a fresh connection
         if not load.batches:
             if load.error is not None:
                 self._fail(load, load.error)
@@ -314,12 +316,16 @@ class Consumer:
         for load in late:
             # stop the data plane writing into these blocks before we call them invalid
             for peer_id in set(load.batches.values()):
-                self.plane.disconnect(peer_id)
-                for key, p in list(self._peers.items()):
-                    if p.peer_id == peer_id:
-                        del self._peers[key]
+                self._forget(peer_id)
             load.batches.clear()
             self._fail(load, f"not loaded within {self.transfer_s:g}s", timed_out=True)
+
+    def _forget(self, peer_id: str) -> None:
+        """Close the data path to a peer and drop what the handshake told us of it."""
+        self.plane.disconnect(peer_id)
+        for key, p in list(self._peers.items()):
+            if p.peer_id == peer_id:
+                del self._peers[key]
 
     def _complete(self, load: Load) -> None:
         try:
