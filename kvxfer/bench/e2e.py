@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plot(records: list[dict[str, Any]], path: Path, launch: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,6 +122,8 @@ def _plot(records: list[dict[str, Any]], path: Path, launch: str) -> None:
         ax.plot(x, [r["disaggregated"][key] for r in records], "o-", label="disaggregated (prefill + decode)")
         ax.plot(x, [r["monolithic"][key] for r in records], "s--", label="monolithic (baseline)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel(f"{what}, p50 (ms)")
         ax.grid(True, which="both", alpha=0.3)
