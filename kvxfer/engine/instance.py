@@ -37,6 +37,7 @@ from kvxfer.engine.worker import (
     ForwardSpan,
     Hold,
     Poll,
+    Release,
     Reply,
     StartLoad,
     StatsOf,
@@ -68,6 +69,7 @@ class Seq:
     kv_bytes: int = 0
     transfer_s: float = 0.0
     loaded: bool = False
+    cancelled: bool = False  # dropped while its KV was loading: freed when the load ends, no answer
 
 
 class Instance:
@@ -172,6 +174,8 @@ class Instance:
                 self.decode_queue.append(seq)
             else:
                 self.prefill_queue.append(seq)
+        elif isinstance(msg, m.Cancel):
+            self._cancel(msg.request_id)
         elif isinstance(msg, m.Ping):
             self._send(ident, m.Pong(engine_id=self.cfg.engine_id, role=self.cfg.role))
         elif isinstance(msg, m.StatsQuery):
@@ -186,6 +190,26 @@ class Instance:
             self.stop = True
         else:
             raise ValueError(f"unexpected {type(msg).__name__}")
+
+    def _cancel(self, rid: str) -> None:
+        """Drop a request wherever it is (the router has answered its client): queued, held for
+        readers, waiting for blocks, loading, or decoding. Unknown ids are already done."""
+        for queue in (self.prefill_queue, self.decode_queue):
+            for seq in [q for q in queue if q.request_id == rid]:
+                queue.remove(seq)
+                if seq.params is not None and queue is self.decode_queue:
+                    self._on_all(Abandon(request_id=rid, params=seq.params.to_bytes(), reason="cancelled"))
+        if rid in self.held:  # prefill: the decode side will not read it
+            del self.held[rid]
+            self._on_all(Release(request_id=rid))
+        if rid in self.loading:  # the data plane may still be writing its blocks: free them when it stops
+            self.loading[rid].cancelled = True
+            self._on_all(Abandon(request_id=rid, params=self.loading[rid].params.to_bytes(), reason="cancelled"))
+            return
+        for seq in [q for q in self.running if q.request_id == rid]:
+            self.running.remove(seq)
+        if rid in self.bm.requests:
+            self.bm.free(rid)
 
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
         v = self.cfg.model.vocab_size
@@ -341,6 +365,9 @@ class Instance:
                 self.bm.free(rid)
         for rid in f.receiving:
             seq = self.loading.pop(rid)
+            if seq.cancelled:
+                self.bm.discard(rid)
+                continue
             self.bm.commit(rid)
             seq.loaded = True
             seq.transfer_s = time.monotonic() - seq.load_started
@@ -352,6 +379,9 @@ class Instance:
             self._after_first(seq)
         for rid, invalid in f.failed.items():
             seq = self.loading.pop(rid)
+            if seq.cancelled:
+                self.bm.discard(rid)
+                continue
             logger.warning("request %s: KV load failed (%s); %d blocks recycled, computing the prompt here",
                            rid, f.errors.get(rid, "?"), len(invalid))
             self.bm.discard(rid)

@@ -53,6 +53,13 @@ class Generated(EngineMessage, tag="generated"):
     error: str = ""
 
 
+class Cancel(EngineMessage, tag="cancel"):
+    """Client -> router -> instances: drop a request wherever it is; its blocks go back to the
+    pools (held KV released, loads abandoned). The router answers the client at once."""
+
+    request_id: str
+
+
 class Ping(EngineMessage, tag="ping"):
     pass
 
@@ -93,7 +100,7 @@ class Error(EngineMessage, tag="error"):
     message: str
 
 
-Any_ = Generate | Prefilled | Decode | Generated | Ping | Pong | StatsQuery | Stats | KVQuery | KVDump | \
+Any_ = Generate | Prefilled | Decode | Generated | Cancel | Ping | Pong | StatsQuery | Stats | KVQuery | KVDump | \
     Shutdown | Error
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Any_)

@@ -111,6 +111,8 @@ class Router:
             elif isinstance(msg, m.Shutdown):
                 self.front.send_multipart([ident, b"", m.encode(m.Pong(engine_id="router", role="router"))])
                 self.stop = True
+            elif isinstance(msg, m.Cancel):
+                self._cancel(ident, msg)
             elif isinstance(msg, m.Generate):
                 p = Pending(ident, msg, time.monotonic())
                 self.pending[msg.request_id] = p
@@ -119,6 +121,18 @@ class Router:
                 else:
                     p.prefill = next(self._p)
                     self._to(p.prefill, msg)
+
+    def _cancel(self, ident: bytes, msg: m.Cancel) -> None:
+        """Answer the request's client now; tell the instances that have it to drop it."""
+        p = self.pending.pop(msg.request_id, None)
+        if p is None:
+            return  # finished (or never seen): nothing to drop
+        for engine in {p.prefill, p.decode} - {""}:
+            self._to(engine, msg)
+        out = RoutedGenerated(result=m.Generated(request_id=msg.request_id, tokens=[], token_times=[],
+                                                 error="cancelled"),
+                              ttft_s=0.0, prefill_engine=p.prefill, decode_engine=p.decode, fallback=p.fallback)
+        self.front.send_multipart([p.client, b"", msgspec.msgpack.encode(out)])
 
     def _from_instance(self, engine: str, s: zmq.Socket) -> None:
         while True:

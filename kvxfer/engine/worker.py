@@ -70,6 +70,12 @@ class Abandon(Command, tag="abandon"):
     reason: str
 
 
+class Release(Command, tag="release"):
+    """Prefill side: free a hold now (its request was cancelled)."""
+
+    request_id: str
+
+
 class Poll(Command, tag="poll"):
     pass
 
@@ -86,7 +92,7 @@ class Stop(Command, tag="stop"):
     pass
 
 
-AnyCommand = Forward | Hold | Wait | StartLoad | Abandon | Poll | DumpKV | StatsOf | Stop
+AnyCommand = Forward | Hold | Wait | StartLoad | Abandon | Release | Poll | DumpKV | StatsOf | Stop
 
 
 class FinishedMsg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -180,6 +186,9 @@ class Worker:
             raise RuntimeError(f"{type(cmd).__name__}: a {self.cfg.role} instance has no connector")
         if isinstance(cmd, Hold):
             return Reply(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens).to_bytes())
+        if isinstance(cmd, Release):
+            conn.release(cmd.request_id)
+            return Reply()
         params = KVTransferParams.from_bytes(cmd.params)
         if isinstance(cmd, Wait):
             conn.wait(cmd.request_id, params)
