@@ -85,6 +85,16 @@ def check(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], n
     return None
 
 
+def _rank(cfg_json: bytes, rank: int) -> tuple[InstanceConfig, int, Any, Connector]:
+    """Config, TP rank, cache and registered connector of one rank process."""
+    cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
+    tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
+    cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
+    c = Connector.from_config(cfg, rank)
+    c.register_kv_caches(cache)
+    return cfg, tp_rank, cache, c
+
+
 def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
                   env: dict[str, str] | None = None, fill_mode: str = "oracle") -> None:
     """Hold the given requests ``(id, blocks, num_tokens[, garbage_before])``, send their params,
@@ -92,12 +102,13 @@ def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
     import os
 
     os.environ.update(env or {})
+    if os.environ.get("KVPROC_LOG"):  # the test reads this rank's warnings from a file
+        import logging
+
+        logging.basicConfig(filename=os.environ["KVPROC_LOG"], level=logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s", force=True)
     try:
-        cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
-        tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
-        cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
-        c = Connector.from_config(cfg, rank)
-        c.register_kv_caches(cache)
+        cfg, tp_rank, cache, c = _rank(cfg_json, rank)
         params = []
         if fill_mode == "ones":
             for t in cache.tensors:
@@ -205,11 +216,7 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
 
     os.environ.update(env or {})
     try:
-        cfg = msgspec.json.decode(cfg_json, type=InstanceConfig)
-        tp_rank, pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
-        cache = allocate_kv_cache(spec_from_config(cfg, pp_rank), cfg.cache.num_blocks)
-        c = Connector.from_config(cfg, rank)
-        c.register_kv_caches(cache)
+        cfg, tp_rank, cache, c = _rank(cfg_json, rank)
         bm = BlockManager.from_config(cfg.cache)
         conn.send(("ready", None))
         while True:

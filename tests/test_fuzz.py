@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import socket
 import struct
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -51,7 +54,9 @@ class Live:
 
     def __init__(self, conn: str) -> None:
         self.conn = conn
-        self.prod = Producers(make_cfg("prefill", "P", connector=conn, lease_s=600.0), [("held", HELD, NTOK)])
+        self.log = Path(tempfile.mkdtemp(prefix="kvx-fuzz-")) / "producer.log"
+        self.prod = Producers(make_cfg("prefill", "P", connector=conn, lease_s=600.0), [("held", HELD, NTOK)],
+                              env={"KVPROC_LOG": str(self.log)})
         self.params = self.prod.params["held"]
         r = self.params.ranks[0]
         self.side = f"tcp://{r.host}:{r.port}"
@@ -232,3 +237,48 @@ def test_a_consumer_lying_about_block_ids_is_refused_and_counted(live: Live) -> 
     conn.send("stats")
     assert recv(conn, 30)[1]["refused_reads"] > before
     assert live.alive()
+
+
+def test_duplicate_done_notices_count_once(live: Live) -> None:
+    """A TP 2 consumer owes two done notices; the same rank's notice sent twice is one."""
+    _, conn = live.prod.procs[0]
+    conn.send(("hold", "dup", [30, 31, 32, 33, 34, 35, 36], NTOK))
+    params = KVTransferParams.from_bytes(recv(conn, 30)[1])
+    gen = params.ranks[0].generation
+    tp2 = ParallelLayout(tp_size=2, pp_size=1, num_layers=4, num_kv_heads=4)
+
+    def done(rank: int) -> dict[str, Any]:
+        reply = live.side_request(encode(DoneNotice(request_id="dup", engine_id="D2", rank=rank, layout=tp2,
+                                                    generation=gen, token=live.token)))
+        assert reply is not None
+        return msgspec.msgpack.decode(reply)
+
+    assert done(0)["type"] == "ack"
+    assert done(0)["type"] == "ack"  # a duplicate: acknowledged, not counted
+    conn.send("released")
+    assert "dup" not in recv(conn, 30)[1]
+    assert done(1)["type"] == "ack"  # the second reader: now every reader is done
+    deadline = time.monotonic() + 10
+    while True:
+        conn.send("released")
+        if "dup" in recv(conn, 30)[1] or time.monotonic() > deadline:
+            break
+    conn.send("released")
+    assert "dup" in recv(conn, 30)[1]
+    reply = done(1)  # after the release: the request is unknown, and the server says so
+    assert reply["type"] == "error" and reply["code"] == "unknown_request"
+    assert live.alive()
+
+
+def test_each_refusal_is_logged_once_naming_the_peer(live: Live) -> None:
+    _, conn = live.prod.procs[0]
+    conn.send(("hold", "liar", [40, 41, 42, 43, 44, 45, 46], NTOK))
+    victim = KVTransferParams.from_bytes(recv(conn, 30)[1])
+    forged = replace(victim, block_ids=[0, 1, 2, 10, 11, 12, 13])
+    for _ in range(2):  # the same lie twice
+        (status, _, _), = consume(make_cfg("decode", "D", connector=live.conn), forged)
+        assert status == "failed"
+    log = live.log.read_text()
+    lines = [ln for ln in log.splitlines() if "refused peer" in ln and "read for liar" in ln]
+    assert len(lines) == 1, log[-3000:]
+    assert "refused peer D:" in lines[0]

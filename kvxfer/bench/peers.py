@@ -91,29 +91,28 @@ class NixlConsumer:
             self.agent.release_xfer_handle(handle)
 
 
+def _mooncake_engine(tensors: list[torch.Tensor]) -> Any:
+    """A TCP transfer engine on loopback (P2P handshake: no metadata server) with ``tensors`` registered."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""):
+        raise RuntimeError("mooncake: initialize failed")
+    for t in tensors:
+        if engine.register_memory(t.data_ptr(), t.numel() * t.element_size()):
+            raise RuntimeError("mooncake: register_memory failed")
+    return engine
+
+
 class MooncakeProducer:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        from mooncake.engine import TransferEngine
-
-        self.engine = TransferEngine()
-        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""):
-            raise RuntimeError("mooncake: initialize failed")
-        for t in tensors:
-            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()):
-                raise RuntimeError("mooncake: register_memory failed")
+        self.engine = _mooncake_engine(tensors)
         self.info = {"target": f"127.0.0.1:{self.engine.get_rpc_port()}", "bases": _bases(tensors)}
 
 
 class MooncakeConsumer:
     def __init__(self, tensors: list[torch.Tensor], info: dict[str, Any]) -> None:
-        from mooncake.engine import TransferEngine
-
-        self.engine = TransferEngine()
-        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""):
-            raise RuntimeError("mooncake: initialize failed")
-        for t in tensors:
-            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()):
-                raise RuntimeError("mooncake: register_memory failed")
+        self.engine = _mooncake_engine(tensors)
         self.target = info["target"]
         self.remote_bases = np.asarray(info["bases"], dtype=np.int64)
         self.local_bases = np.asarray(_bases(tensors), dtype=np.int64)

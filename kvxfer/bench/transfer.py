@@ -229,6 +229,16 @@ def stat(times: list[float], nbytes: int) -> dict[str, float]:
             "trials": len(times)}
 
 
+def _unusable(name: str) -> str | None:
+    """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
+    try:
+        Connector.from_config(make_cfg("decode", name, 1)).close()
+    except Exception as e:
+        hint = " (pip install 'kvxfer[ucx]')" if name == "ucx" else ""
+        return f"cannot start: {type(e).__name__}: {e}{hint}"
+    return None
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -242,6 +252,8 @@ class Bench:
                 self.skipped[name] = f"not installed (installed: {', '.join(sorted(installed))})"
             elif not load_data_plane(name).cross_process:
                 self.skipped[name] = "in-process only; nothing to measure between two processes"
+            elif (why := _unusable(name)) is not None:
+                self.skipped[name] = why
             else:
                 self.names.append(name)
         self.peers = list(peer_mod.PEERS) if args.peers else []
