@@ -179,13 +179,12 @@ pieces = st.lists(st.tuples(st.integers(-2, 12), st.integers(-(2**20), 2**22), s
                   min_size=0, max_size=8)
 
 
+@pytest.mark.parametrize("live", ["tcp"], indirect=True)  # ucx reads arrive on its control socket: next test
 @FUZZ
 @given(rid=st.sampled_from(["held", "not-held", ""]), ps=pieces, garbage=st.binary(max_size=64),
        how=st.sampled_from(["read", "garbage", "no-hello", "truncated"]))
 def test_data_plane_reads_nothing_it_does_not_hold(live: Live, rid: str, ps: list[tuple[int, int, int]],
                                                    garbage: bytes, how: str) -> None:
-    if live.conn != "tcp":
-        pytest.skip("the ucx plane's requests arrive on its control socket: see the next test")
     hello = encode(DataHello(engine_id="fuzzer", token=live.token))
     req = _read(rid, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps])
     frames = {"read": [hello, req], "garbage": [hello, garbage], "no-hello": [req],
@@ -203,6 +202,7 @@ def test_data_plane_reads_nothing_it_does_not_hold(live: Live, rid: str, ps: lis
     assert live.alive()
 
 
+@pytest.mark.parametrize("live", ["ucx"], indirect=True)  # tcp has no control socket
 @FUZZ
 @given(frame=st.one_of(st.binary(max_size=512),
                        st.builds(lambda b: b"H" + b, st.binary(max_size=256)),
@@ -210,8 +210,6 @@ def test_data_plane_reads_nothing_it_does_not_hold(live: Live, rid: str, ps: lis
                        st.builds(lambda ps: b"R" + _read("held", [p[0] for p in ps], [p[1] for p in ps],
                                                          [p[2] for p in ps]), pieces)))
 def test_ucx_control_socket_survives_anything(live: Live, frame: bytes) -> None:
-    if live.conn != "ucx":
-        pytest.skip("tcp has no control socket")
     from kvxfer.connectors.ucx import UcxAddress
 
     addr = msgspec.msgpack.decode(live.meta.data_address, type=UcxAddress)
