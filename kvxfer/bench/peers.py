@@ -42,17 +42,27 @@ def _bases(tensors: list[torch.Tensor]) -> list[int]:
     return [t.data_ptr() for t in tensors]
 
 
-def _ucx_env() -> None:
-    """NIXL's UCX backend gets the transports kvxfer's ucx plane uses by default (no CMA, no
-    CUDA transports on a host without a GPU), so the two are compared on the same footing."""
-    from kvxfer.connectors.ucx import DEFAULT_TLS
+NIXL_UCX_TLS = "sm,self,cma,tcp"
+# UCX settings as the user started the bench: kvxfer's ucx plane (and ucxx, which sets
+# UCX_RNDV_FRAG_MEM_TYPE=cuda among others) changes the process environment, and a peer's
+# spawned processes would inherit that
+USER_UCX_ENV = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 
-    os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
+
+def use_peer_env(name: str, user_ucx_env: dict[str, str]) -> None:
+    """Give this (peer) process the user's UCX environment. NIXL also gets its best
+    transports on one host unless the user chose: its one-sided reads need CMA, named
+    explicitly (without it, or with ucxx's settings inherited, they ran at 0.5-0.7 GB/s
+    here against 4.7). kvxfer's own plane leaves CMA out on purpose (see connectors/ucx)."""
+    for k in [k for k in os.environ if k.startswith("UCX_")]:
+        del os.environ[k]
+    os.environ.update(user_ucx_env)
+    if name == "nixl":
+        os.environ.setdefault("UCX_TLS", NIXL_UCX_TLS)
 
 
 class NixlProducer:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        _ucx_env()
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent("kvxfer-bench-producer", nixl_agent_config(backends=["UCX"]))
@@ -62,7 +72,6 @@ class NixlProducer:
 
 class NixlConsumer:
     def __init__(self, tensors: list[torch.Tensor], info: dict[str, Any]) -> None:
-        _ucx_env()
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent("kvxfer-bench-consumer", nixl_agent_config(backends=["UCX"]))
@@ -135,8 +144,9 @@ CONSUMERS = {"nixl": NixlConsumer, "mooncake": MooncakeConsumer}
 
 # ------------------------------------------------------------------ a process pair per peer
 
-def producer_main(name: str, make_cache: Callable[[], Any], conn: Any) -> None:
+def producer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, str], conn: Any) -> None:
     """The peer's producer process: the cache, registered; its info; then wait for "stop"."""
+    use_peer_env(name, ucx_env)
     cache = make_cache()
     try:
         peer = PRODUCERS[name](cache.tensors)
@@ -148,10 +158,12 @@ def producer_main(name: str, make_cache: Callable[[], Any], conn: Any) -> None:
     conn.recv()
 
 
-def consumer_main(name: str, make_cache: Callable[[], Any], info: bytes, conn: Any) -> None:
+def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, str], info: bytes,
+                  conn: Any) -> None:
     """The peer's consumer process: for each case sent, time its reads and check the bytes."""
     from kvxfer.bench.transfer import check_arrived, clear, stat, timed
 
+    use_peer_env(name, ucx_env)
     cache = make_cache()
     try:
         peer = CONSUMERS[name](cache.tensors, msgspec.msgpack.decode(info))
@@ -182,7 +194,8 @@ class PeerPair:
         ctx = mp.get_context("spawn")
         self.name, self.timeout_s = name, timeout_s
         self.ppipe, child = ctx.Pipe()
-        self.pproc = ctx.Process(target=producer_main, args=(name, make_cache, child), daemon=True)
+        # the parent's snapshot: a spawned child that imports this module sees the changed environment
+        self.pproc = ctx.Process(target=producer_main, args=(name, make_cache, USER_UCX_ENV, child), daemon=True)
         self.pproc.start()
         self.cproc: Any = None
         status, info = self._recv(self.ppipe, self.pproc)
@@ -190,7 +203,8 @@ class PeerPair:
             self.close()
             raise RuntimeError(f"producer side: {info}")
         self.cpipe, child = ctx.Pipe()
-        self.cproc = ctx.Process(target=consumer_main, args=(name, make_cache, info, child), daemon=True)
+        self.cproc = ctx.Process(target=consumer_main, args=(name, make_cache, USER_UCX_ENV, info, child),
+                                 daemon=True)
         self.cproc.start()
         status, why = self._recv(self.cpipe, self.cproc)
         if status != "ok":
