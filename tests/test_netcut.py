@@ -158,9 +158,22 @@ def test_link_down_mid_transfer_then_up(hosts: Hosts, conn: str) -> None:
         while _held_blocks(prod) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _held_blocks(prod) == 0
-        # link back up: the same two processes handshake again and move a request
-        cons.conn.send(("load", _hold(prod, "after", 8).to_bytes(), 30.0, True))
-        assert recv(cons.conn, 60)[1] == "ok"
+        # link back up: the same two processes handshake again and move a request. Over UCX's
+        # TCP transport the first try may still time out while the kernel's retransmission
+        # backoff on the flapped link runs out (seen once in CI); each try is bounded, leaks
+        # nothing, and a later one succeeds
+        outcomes = []
+        for attempt in range(5):
+            cons.conn.send(("load", _hold(prod, f"after-{attempt}", 8).to_bytes(), 30.0, True))
+            status, _, why, elapsed = recv(cons.conn, 60)[1:]
+            outcomes.append((status, why))
+            assert elapsed < TRANSFER_S + 3.0, (elapsed, why)
+            if status == "ok":
+                break
+        assert outcomes[-1][0] == "ok", outcomes
+        cons.conn.send(("pool",))
+        free, total = recv(cons.conn, 30)[1]
+        assert free == total
     finally:
         cons.stop()
         prod.stop()
