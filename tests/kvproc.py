@@ -206,9 +206,10 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
 
 
 def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] | None = None) -> None:
-    """A long-lived consumer rank with a BlockManager: ("load", params, timeout_s) reserves
-    blocks, loads, checks against the oracle (when ``check``), and commits and frees them on
-    success or discards them on failure; answers ("result", status, invalid, why, elapsed).
+    """A long-lived consumer rank with a BlockManager: ("load", params, timeout_s, verify[,
+    announce]) reserves blocks, loads, checks against the oracle (when ``verify``), and commits
+    and frees them on success or discards them on failure; answers ("result", status, invalid,
+    why, elapsed). With ``announce`` it first says ("writing", None) once the first block changes.
     ("pool",) answers (free, total); ("stats",) the connector's stats; "stop" ends it."""
     import os
 
@@ -228,17 +229,23 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
             elif cmd[0] == "stats":
                 conn.send(("stats", c.stats()))
             elif cmd[0] == "load":
-                _, raw, timeout_s, verify = cmd
+                _, raw, timeout_s, verify, *rest = cmd
+                announce = bool(rest and rest[0])
                 params = KVTransferParams.from_bytes(raw)
                 rid = params.request_id
                 # distinct token ids per request: no prefix hit between requests
                 alloc = bm.reserve(rid, [hash((rid, i)) & 0x7FFFFFFF for i in range(params.num_tokens)],
                                    timeout_s=600, max_cached_tokens=0)
+                first = cache.tensors[0][alloc.block_ids[0]]
+                first.zero_()
                 t0 = time.monotonic()
                 c.start_load(rid, params, alloc.block_ids)
                 out: tuple[Any, ...] = ("result", "hung", [], "", 0.0)
                 while time.monotonic() - t0 < timeout_s:
-                    f = c.poll(timeout_s=0.05)
+                    f = c.poll(timeout_s=0.001 if announce else 0.05)
+                    if announce and bool(first.any()):
+                        conn.send(("writing", None))
+                        announce = False
                     if rid in f.receiving:
                         why = check(cache, cfg, tp_rank, alloc.block_ids, params.num_tokens) if verify else None
                         bm.commit(rid)

@@ -139,10 +139,11 @@ def test_link_down_mid_transfer_then_up(hosts: Hosts, conn: str) -> None:
         # across the link: a small request arrives bit for bit
         cons.conn.send(("load", _hold(prod, "small", 4).to_bytes(), 30.0, True))
         assert recv(cons.conn, 60)[1] == "ok"
-        # 1024 blocks x 32 KiB = 32 MiB at 400 Mbit/s: about 0.7 s on the wire; cut it at 0.2 s
+        # 1024 blocks x 32 KiB = 32 MiB at 400 Mbit/s: about 0.7 s on the wire; cut it as soon as
+        # the first bytes have landed
         big = _hold(prod, "big", 1024)
-        cons.conn.send(("load", big.to_bytes(), 60.0, False))
-        time.sleep(0.2)
+        cons.conn.send(("load", big.to_bytes(), 60.0, False, True))
+        assert recv(cons.conn, 60)[0] == "writing", "the cut must land mid-transfer"
         hosts.link(up=False)
         try:
             status, invalid, why, elapsed = recv(cons.conn, 60)[1:]

@@ -19,12 +19,8 @@ import numpy as np
 
 from kvxfer.config import load_instance_config, load_launch_config, to_yaml
 from kvxfer.engine import messages as m
-from kvxfer.engine.launcher import _addr, run_workload, started, verify_config, wait_ready
+from kvxfer.engine.launcher import _addr, _pct, run_workload, started, verify_config, wait_ready
 from kvxfer.engine.router import RoutedGenerated
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def _measure(addr: str, requests: list[m.Generate], concurrency: int, label: str) -> dict[str, float]:

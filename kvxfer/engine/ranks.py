@@ -57,15 +57,15 @@ class RankError(RuntimeError):
     pass
 
 
-def _init_distributed(cfg: InstanceConfig, rank: int, store: dist.TCPStore) -> tuple[
-        dist.ProcessGroup | None, list[dist.ProcessGroup | None]]:
-    """gloo over loopback; one group per PP stage for the TP all-reduce."""
+def _init_distributed(cfg: InstanceConfig, rank: int, store: dist.TCPStore) -> dist.ProcessGroup | None:
+    """gloo over loopback; one group per PP stage for the TP all-reduce (every rank makes every
+    group, as torch requires); returns this rank's TP group (None when tp = 1)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank of an instance runs on this host
     dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=STEP_TIMEOUT_S))
     tp = cfg.parallel.tp
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if tp > 1 else None for s in range(cfg.parallel.pp)]
-    return groups[rank // tp], groups
+    return groups[rank // tp]
 
 
 def _make_worker(cfg: InstanceConfig, rank: int, tp_group: dist.ProcessGroup | None) -> Worker:
@@ -104,7 +104,7 @@ class Ranks:
                      "--store-port", str(store.port), "--control-port", str(control_port)],
                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent))
             self._wait_ready()
-            tp_group, _ = _init_distributed(cfg, 0, store)
+            tp_group = _init_distributed(cfg, 0, store)
             self.worker = _make_worker(cfg, 0, tp_group)
             self.run([])  # every rank is past its own set-up
         except BaseException:
@@ -192,7 +192,7 @@ def serve_rank(cfg: InstanceConfig, rank: int, store_port: int, control_port: in
     worker: Worker | None = None
     try:
         sock.send(msgspec.msgpack.encode(StepReply(0, rank, [])))
-        tp_group, _ = _init_distributed(cfg, rank, store)
+        tp_group = _init_distributed(cfg, rank, store)
         worker = _make_worker(cfg, rank, tp_group)
         while True:
             if not sock.poll(int(SILENCE_S * 1000)):

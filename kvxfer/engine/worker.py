@@ -142,6 +142,7 @@ class Worker:
         self.tp_rank, self.pp_rank = rank % cfg.parallel.tp, rank // cfg.parallel.tp
         self.model = Transformer(cfg.model, self.layout, self.tp_rank, self.pp_rank, all_reduce)
         self.send, self.recv = send, recv
+        self.metrics_server: MetricsServer | None = None
         self.cache = allocate_kv_cache(spec_from_config(cfg, self.pp_rank), cfg.cache.num_blocks, cfg.cache.device,
                                        cfg.cache.huge_pages)
         self.connector: Connector | None = None
@@ -149,7 +150,6 @@ class Worker:
             self.connector = Connector.from_config(cfg, rank)
             self.connector.register_kv_caches(self.cache)
         self.refused = Finished()  # loads this rank refused to start, reported at the next poll
-        self.metrics_server: MetricsServer | None = None
         if cfg.server.metrics_port is not None and self.connector is not None:
             try:
                 self.metrics_server = MetricsServer(cfg.server.host, cfg.server.metrics_port + rank if
@@ -160,8 +160,8 @@ class Worker:
             self.metrics_server.add(self.connector.metrics)
 
     def close(self) -> None:
-        if getattr(self, "metrics_server", None) is not None:
-            self.metrics_server.close()  # type: ignore[union-attr]
+        if self.metrics_server is not None:
+            self.metrics_server.close()
             self.metrics_server = None
         if self.connector is not None:
             self.connector.close()
