@@ -211,17 +211,18 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
 
 # ------------------------------------------------------------------ this process
 
-def timed(fn: Callable[[], float | None], budget_s: float, min_trials: int = 3,
+def timed(fn: Callable[[], object], budget_s: float, min_trials: int = 3,
           max_trials: int = 200) -> list[float]:
     """Run ``fn`` once to warm up, then until the budget is spent (at least ``min_trials``).
-    A trial lasts as long as ``fn`` ran, or the seconds it returns (the part it times itself)."""
+    A trial lasts as long as ``fn`` ran, or, when it returns a float, that many seconds (the part
+    it times itself)."""
     fn()
     times: list[float] = []
     start = time.monotonic()
     while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start < budget_s):
         t0 = time.perf_counter()
         took = fn()
-        times.append(took if took is not None else time.perf_counter() - t0)
+        times.append(took if isinstance(took, float) else time.perf_counter() - t0)
     return times
 
 
