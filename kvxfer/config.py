@@ -92,6 +92,8 @@ class CacheConfig(Config):
     layout: Layout = "NHD"
     dtype: CacheDtype = "float32"
     kv_split: bool = True
+    # K and V side by side in each head's vector, one tensor per layer (vLLM's CPU layout)
+    kv_fused: bool = False
     cross_layer: bool = False
     device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda(:[0-9]+)?)$")] = "cpu"
     huge_pages: bool = True
@@ -103,6 +105,8 @@ class CacheConfig(Config):
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
             raise _refuse("block_size", f"expected a power of two, got {self.block_size}")
+        if self.kv_fused and (self.cross_layer or self.dtype == "uint8"):
+            raise _refuse("kv_fused", "cannot be combined with cross_layer or the uint8 dtype")
 
 
 class ParallelConfig(Config):
@@ -228,6 +232,8 @@ class InstanceConfig(Config):
                 f"expected port + tp*pp - 1 <= 65535 (one port per rank), got {sc.port} "
                 f"with {par.tp * par.pp} ranks",
             )
+        if self.cache.kv_fused and self.model.mla:
+            raise _refuse("cache.kv_fused", "MLA has one latent, nothing to fuse")
         if self.cache.dtype == "uint8" and self.model.mla:
             raise _refuse("cache.dtype", "uint8 quantised cache is not supported with mla")
 

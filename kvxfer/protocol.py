@@ -55,6 +55,7 @@ class SpecInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     kv_split: bool
     mla: bool
     cross_layer: bool
+    kv_fused: bool = False
 
 
 # ------------------------------------------------------------------ side channel

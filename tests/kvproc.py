@@ -54,7 +54,7 @@ def fill(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], nu
     tok = torch.arange(first_token, first_token + n * bs)
     ids = torch.tensor(block_ids)
     for layer in spec.layers:
-        for kv in range(spec.num_kv):
+        for kv in range(1 if spec.mla else 2):  # K and V, also when fused in one tensor
             v = value(layer, kv, tok, heads, dims)
             v[tok >= num_tokens] = GARBAGE
             v[tok < garbage_before] = GARBAGE
@@ -72,7 +72,7 @@ def check(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], n
     ids = torch.tensor(block_ids[:n])
     tok = torch.arange(n * bs)
     for layer in spec.layers:
-        for kv in range(spec.num_kv):
+        for kv in range(1 if spec.mla else 2):  # K and V, also when fused in one tensor
             got = cache.layer_kv(layer)[kv].index_select(0, ids)
             if spec.layout == "HND":
                 got = got.transpose(1, 2)

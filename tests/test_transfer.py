@@ -44,12 +44,12 @@ D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
 def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
-             host_staging: str = "auto") -> InstanceConfig:
+             host_staging: str = "auto", kv_fused: bool = False) -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
         model=ModelConfig(num_layers=4, num_kv_heads=heads, num_heads=8, head_size=head_size, mla=mla),
-        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, layout=layout),
+        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, layout=layout, kv_fused=kv_fused),
         parallel=ParallelConfig(tp=tp, pp=pp),
         connector=ConnectorConfig(
             name=connector, side_channel=SideChannelConfig(host="127.0.0.1", port=0),
@@ -139,6 +139,11 @@ CASES = {
     "prefill PP2 -> decode PP1": ({"pp": 2}, {}),
     "prefill TP2 -> decode TP1 HND": ({"tp": 2, "layout": "HND"}, {"layout": "HND"}),
     "MLA, prefill TP2 -> decode TP1": ({"mla": True, "tp": 2}, {"mla": True}),
+    # vLLM's CPU layout: K|V in each head's vector, HND
+    "fused K|V HND": ({"kv_fused": True, "layout": "HND"}, {"kv_fused": True, "layout": "HND"}),
+    "fused K|V HND, prefill TP2 -> decode TP1": ({"kv_fused": True, "layout": "HND", "tp": 2},
+                                                 {"kv_fused": True, "layout": "HND"}),
+    "fused K|V HND 64 -> NHD 16": ({"kv_fused": True, "layout": "HND", "bs": 64}, {"kv_fused": True}),
     # the path device caches take (host mirror, batched copies), forced on for CPU caches
     "host staging both sides, HND -> NHD": ({"host_staging": "always", "layout": "HND"},
                                             {"host_staging": "always"}),

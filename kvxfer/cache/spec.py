@@ -38,6 +38,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     dtype: CacheDtype = "float32"
     layout: Layout = "NHD"
     kv_split: bool = True
+    kv_fused: bool = False  # K|V concatenated per head: one tensor per layer, head vector 2 x head_size
     mla: bool = False
     cross_layer: bool = False
     first_layer: int = 0
@@ -57,6 +58,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"KVCacheSpec.num_kv_heads: expected 1 with mla, got {self.num_kv_heads}")
         if self.mla and self.dtype == "uint8":
             raise ValueError("KVCacheSpec.dtype: uint8 is not supported with mla")
+        if self.kv_fused and (self.mla or self.cross_layer or self.dtype == "uint8"):
+            raise ValueError("KVCacheSpec.kv_fused: cannot be combined with mla, cross_layer or uint8")
         if self.first_layer < 0:
             raise ValueError(f"KVCacheSpec.first_layer: expected >= 0, got {self.first_layer}")
 
@@ -71,13 +74,16 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def storage_head_size(self) -> int:
-        """Elements per token per head as stored (uint8 carries its scale/zero in front)."""
+        """Elements per token per head as stored (uint8 carries its scale/zero in front; a fused
+        cache stores K then V)."""
+        if self.kv_fused:
+            return 2 * self.head_size
         return self.head_size + QUANT_HEADER_BYTES if self.dtype == "uint8" else self.head_size
 
     @property
     def num_kv(self) -> int:
-        """2 for K and V; 1 for MLA's single latent."""
-        return 1 if self.mla else 2
+        """Separately stored K/V parts: 2 for K and V; 1 for MLA's latent or a fused K|V."""
+        return 1 if self.mla or self.kv_fused else 2
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -118,7 +124,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             return [("kv", (num_blocks, self.num_layers, self.num_kv, *bs))]
         out: list[tuple[str, tuple[int, ...]]] = []
         for layer in self.layers:
-            if self.mla:
+            if self.mla or self.kv_fused:
                 out.append((f"layer{layer}.kv", (num_blocks, *bs)))
             elif self.kv_split:
                 out.append((f"layer{layer}.k", (num_blocks, *bs)))
@@ -129,7 +135,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def compatibility_key(self) -> tuple[object, ...]:
         """What must match for two ranks' blocks to carry the same bytes per token/head."""
-        return (self.head_size, self.dtype, self.mla)
+        return (self.head_size, self.dtype, self.mla, self.kv_fused)
 
 
 def local_kv_heads(num_kv_heads: int, tp: int, mla: bool) -> int:
@@ -156,6 +162,7 @@ def spec_from_config(cfg: InstanceConfig, pp_rank: int = 0) -> KVCacheSpec:
         dtype=cfg.cache.dtype,
         layout=cfg.cache.layout,
         kv_split=cfg.cache.kv_split,
+        kv_fused=cfg.cache.kv_fused,
         mla=cfg.model.mla,
         cross_layer=cfg.cache.cross_layer,
     )

@@ -251,6 +251,9 @@ class Consumer:
                 ("mla", local.mla, meta.spec.mla)) if a != b]
             raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: " + ("; ".join(diffs) or
                                  f"compatibility hash {meta.compat_hash} != {mine}"))
+        if meta.spec.kv_fused != local.kv_fused:
+            raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: kv_fused: local {local.kv_fused}, "
+                                 f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)")
         rbs, lbs = meta.spec.block_size, local.block_size
         if max(rbs, lbs) % min(rbs, lbs):
             raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)")

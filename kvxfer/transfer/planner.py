@@ -36,7 +36,7 @@ def spec_info(s: KVCacheSpec) -> SpecInfo:
     """The essentials of a rank's spec as sent in the handshake."""
     return SpecInfo(num_layers=s.num_layers, first_layer=s.first_layer, num_kv_heads=s.num_kv_heads,
                     head_size=s.head_size, block_size=s.block_size, dtype=s.dtype, layout=s.layout,
-                    kv_split=s.kv_split, mla=s.mla, cross_layer=s.cross_layer)
+                    kv_split=s.kv_split, mla=s.mla, cross_layer=s.cross_layer, kv_fused=s.kv_fused)
 
 
 def region_info(r: MemoryRegion) -> RegionInfo:
@@ -67,7 +67,7 @@ class SideLayout:
         if self.cross_layer:
             rid = next(iter(self.regions))
             inner = ((layer - self.first_layer) * self.num_kv + kv) * self.kv_bytes
-        elif self.mla or not self.kv_split:
+        elif self.num_kv == 1 or not self.kv_split:
             rid = self.by_layer[(layer, 0)]
             inner = kv * self.kv_bytes
         else:
@@ -81,7 +81,10 @@ class SideLayout:
 
     @classmethod
     def from_remote(cls, spec: SpecInfo, regions: list[RegionInfo]) -> SideLayout:
-        storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
+        if spec.kv_fused:
+            storage = 2 * spec.head_size
+        else:
+            storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
         return cls.build(spec, TORCH_DTYPES[spec.dtype].itemsize, storage, regions)
 
     @classmethod
@@ -96,7 +99,7 @@ class SideLayout:
         row = storage_head_size * itemsize
         return cls(
             layout=spec.layout, block_size=spec.block_size, num_heads=spec.num_kv_heads, row_bytes=row,
-            kv_bytes=spec.block_size * spec.num_kv_heads * row, num_kv=1 if spec.mla else 2,
+            kv_bytes=spec.block_size * spec.num_kv_heads * row, num_kv=1 if spec.mla or spec.kv_fused else 2,
             first_layer=spec.first_layer, num_layers=spec.num_layers, cross_layer=spec.cross_layer,
             kv_split=spec.kv_split, mla=spec.mla,
             regions={r.region_id: (r.block_stride, r.length) for r in regions}, by_layer=by_layer,
@@ -224,9 +227,7 @@ def finish_staged(plan: StagedPlan, remote: SideLayout, cache: KVCache, local_bl
         blocks = to_local(staged, remote_layout=remote.layout, local_layout=spec.layout, remote_block_size=R,
                           local_block_size=L, num_tokens=tokens)
         blocks = blocks.narrow(head_dim, plan.slice.remote_heads.start, len(plan.slice.remote_heads))
-        k, v = cache.layer_kv(layer)
-        view = k if kv == 0 else v
-        assert view is not None
+        view = cache.stored_part(layer, kv)
         if full_heads:
             view.index_copy_(0, ids, blocks.contiguous())
         else:
