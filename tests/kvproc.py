@@ -143,8 +143,10 @@ def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
 def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks: list[int], conn: Any,
                   num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
                   env: dict[str, str] | None = None, signal_first_write: bool = False,
-                  use_block_manager: bool = False) -> None:
+                  use_block_manager: bool = False, local_id: str | None = None) -> None:
     """Load one request, check it against the oracle, report (status, detail, elapsed).
+
+    ``local_id`` is the id this side knows the request by (default: the producer's).
 
     With ``signal_first_write`` it also says ("writing",) as soon as the first block changes.
     With ``use_block_manager`` the blocks come from a BlockManager reservation (``local_blocks``
@@ -174,7 +176,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
             time.sleep(wait_s)
         conn.send(("started", None))
         t0 = time.monotonic()
-        c.start_load(params.request_id, params, local_blocks, num_cached_tokens)
+        rid = local_id or params.request_id
+        c.start_load(rid, params, local_blocks, num_cached_tokens)
         result: tuple[str, Any, float] | None = None
         first = cache.tensors[0][local_blocks[0]]
         while time.monotonic() - t0 < timeout_s:
@@ -182,13 +185,13 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
                 conn.send(("writing", None))
                 signal_first_write = False
             f = c.poll()
-            if params.request_id in f.receiving:
+            if rid in f.receiving:
                 why = check(cache, cfg, tp_rank, local_blocks, params.num_tokens)
                 result = ("ok" if why is None else "mismatch", why, time.monotonic() - t0)
                 break
-            if params.request_id in f.failed:
-                invalid = f.failed[params.request_id]
-                detail: Any = (invalid, f.errors.get(params.request_id, ""))
+            if rid in f.failed:
+                invalid = f.failed[rid]
+                detail: Any = (invalid, f.errors.get(rid, ""))
                 if bm is not None:
                     assert sorted(invalid) == sorted(bm.get(params.request_id).new_block_ids)
                     bm.discard(params.request_id)

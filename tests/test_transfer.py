@@ -163,6 +163,16 @@ def test_bit_exact_transfer(case: str, conn: str) -> None:
         assert prod.wait_released("req"), "every producer rank frees the blocks once its readers are done"
 
 
+def test_decode_side_may_know_the_request_by_another_id(conn: str) -> None:
+    """Engines such as vLLM give each instance its own request ids: reads and done notices
+    carry the producer's id from the params, bookkeeping the consumer's own."""
+    pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
+    with Producers(pcfg, [("p-side-id", P_BLOCKS[: -(-NTOK // 16)], NTOK)]) as prod:
+        (status, detail, _), = consume(dcfg, prod.params["p-side-id"], local_id="d-side-id")
+        assert status == "ok", detail
+        assert prod.wait_released("p-side-id"), "the done notice names the producer's id"
+
+
 def test_partial_prefix_hit_moves_only_the_suffix(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
     blocks = P_BLOCKS[:7]

@@ -115,6 +115,7 @@ class Consumer:
         self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
         self._peers: dict[tuple[str, int], Peer] = {}  # (engine, rank) -> latest generation's peer
         self._loads: dict[str, Load] = {}
+        self._batch_loads: dict[int, Load] = {}  # data-plane batch id -> its load (consumer thread only)
         self._waiting: dict[str, KVTransferParams] = {}
         self._done = Finished()
         self._ready = threading.Event()  # set whenever _done gains something
@@ -171,7 +172,7 @@ class Consumer:
         with self._lock:
             self._waiting.pop(request_id, None)
         for r in params.ranks:
-            self._notices.put((r, Abandon(request_id=request_id, generation=r.generation, reason=reason,
+            self._notices.put((r, Abandon(request_id=params.request_id, generation=r.generation, reason=reason,
                                           token=self._token_for(params.engine_id, r))))
 
     def poll(self, timeout_s: float = 0.0) -> Finished:
@@ -289,8 +290,10 @@ class Consumer:
                 descs = concat(parts)
                 self.stats.planned(len(descs))
                 load.nbytes += descs.nbytes
-                batch = self.plane.read(peer.peer_id, load.request_id, descs)
+                # the producer knows the request by its own id, which may differ from ours
+                batch = self.plane.read(peer.peer_id, params.request_id, descs)
                 load.batches[batch] = peer.peer_id
+                self._batch_loads[batch] = load
         except (HandshakeError, LoadFailed, ValueError, ConnectionError) as e:
             self._fail(load, str(e))
             return
@@ -298,8 +301,7 @@ class Consumer:
             self._complete(load)
 
     def _on_batch(self, res: BatchResult) -> None:
-        with self._lock:
-            load = self._loads.get(res.request_id)
+        load = self._batch_loads.pop(res.batch_id, None)
         if load is None or res.batch_id not in load.batches:
             return
         del load.batches[res.batch_id]
@@ -320,8 +322,13 @@ class Consumer:
             # stop the data plane writing into these blocks before we call them invalid
             for peer_id in set(load.batches.values()):
                 self._forget(peer_id)
-            load.batches.clear()
+            self._drop_batches(load)
             self._fail(load, f"not loaded within {self.transfer_s:g}s", timed_out=True)
+
+    def _drop_batches(self, load: Load) -> None:
+        for batch in load.batches:
+            self._batch_loads.pop(batch, None)
+        load.batches.clear()
 
     def _forget(self, peer_id: str) -> None:
         """Close the data path to a peer and drop what the handshake told us of it."""
@@ -358,14 +365,15 @@ class Consumer:
                      (time.monotonic() - load.started) * 1e3)
 
     def _done_notice(self, load: Load, generation: int, token: bytes) -> DoneNotice:
-        return DoneNotice(request_id=load.request_id, engine_id=self.engine_id, rank=self.rank, layout=self.layout,
-                          generation=generation, token=token)
+        return DoneNotice(request_id=load.params.request_id, engine_id=self.engine_id, rank=self.rank,
+                          layout=self.layout, generation=generation, token=token)
 
     def _fail(self, load: Load, why: str, timed_out: bool = False) -> None:
+        self._drop_batches(load)
         self._release_staging(load)
         logger.warning("request %s: load from %s failed: %s", load.request_id, load.params.engine_id, why)
         for r in load.params.ranks:
-            self._notices.put((r, Abandon(request_id=load.request_id, generation=r.generation, reason=why[:1000],
+            self._notices.put((r, Abandon(request_id=load.params.request_id, generation=r.generation, reason=why[:1000],
                                           token=self._token_for(load.params.engine_id, r))))
         with self._lock:
             self._loads.pop(load.request_id, None)
