@@ -92,7 +92,8 @@ class CacheConfig(Config):
     layout: Layout = "NHD"
     dtype: CacheDtype = "float32"
     kv_split: bool = True
-    # K and V side by side in each head's vector, one tensor per layer (vLLM's CPU layout)
+    # vLLM's CPU layout: one tensor per layer, [blocks, heads, block_size, 2 x head_size] in shape,
+    # and in memory each head's block_size rows of K then its block_size rows of V (HND only)
     kv_fused: bool = False
     cross_layer: bool = False
     device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda(:[0-9]+)?)$")] = "cpu"
@@ -105,8 +106,8 @@ class CacheConfig(Config):
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
             raise _refuse("block_size", f"expected a power of two, got {self.block_size}")
-        if self.kv_fused and (self.cross_layer or self.dtype == "uint8"):
-            raise _refuse("kv_fused", "cannot be combined with cross_layer or the uint8 dtype")
+        if self.kv_fused and (self.cross_layer or self.dtype == "uint8" or self.layout != "HND"):
+            raise _refuse("kv_fused", "needs layout HND, and cannot be combined with cross_layer or the uint8 dtype")
 
 
 class ParallelConfig(Config):

@@ -196,3 +196,18 @@ def test_uint8_quantisation_round_trip() -> None:
     assert torch.equal(dequantize_uint8(quantize_uint8(const)), const)
     with pytest.raises(ValueError, match="expected uint8"):
         dequantize_uint8(x)
+
+
+def test_fused_cache_views_match_vllms_cpu_layout() -> None:
+    """vLLM's CPU backend declares [blocks, heads, block_size, 2*head] and reads K and V as
+    ``view(blocks, heads, 2*block_size, head).chunk(2, dim=2)``: K rows, then V rows, per head."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_size=4, block_size=8, layout="HND", kv_fused=True)
+    cache = allocate_kv_cache(spec, 3, huge_pages=False)
+    t = cache.tensors[0]
+    assert tuple(t.shape) == (3, 2, 8, 8)
+    t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
+    want_k, want_v = t.view(3, 2, 16, 4).chunk(2, dim=2)
+    k, v = cache.layer_kv(0)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    with pytest.raises(ValueError, match="HND"):
+        KVCacheSpec(num_layers=1, num_kv_heads=2, head_size=4, block_size=8, layout="NHD", kv_fused=True)

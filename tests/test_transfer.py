@@ -139,11 +139,13 @@ CASES = {
     "prefill PP2 -> decode PP1": ({"pp": 2}, {}),
     "prefill TP2 -> decode TP1 HND": ({"tp": 2, "layout": "HND"}, {"layout": "HND"}),
     "MLA, prefill TP2 -> decode TP1": ({"mla": True, "tp": 2}, {"mla": True}),
-    # vLLM's CPU layout: K|V in each head's vector, HND
+    # vLLM's CPU layout: per block and head, K rows then V rows
     "fused K|V HND": ({"kv_fused": True, "layout": "HND"}, {"kv_fused": True, "layout": "HND"}),
     "fused K|V HND, prefill TP2 -> decode TP1": ({"kv_fused": True, "layout": "HND", "tp": 2},
                                                  {"kv_fused": True, "layout": "HND"}),
-    "fused K|V HND 64 -> NHD 16": ({"kv_fused": True, "layout": "HND", "bs": 64}, {"kv_fused": True}),
+    "fused K|V HND 64 -> 16": ({"kv_fused": True, "layout": "HND", "bs": 64}, {"kv_fused": True, "layout": "HND"}),
+    "fused K|V HND 16 -> 64, prefill TP1 -> decode TP2": ({"kv_fused": True, "layout": "HND"},
+                                                          {"kv_fused": True, "layout": "HND", "bs": 64, "tp": 2}),
     # the path device caches take (host mirror, batched copies), forced on for CPU caches
     "host staging both sides, HND -> NHD": ({"host_staging": "always", "layout": "HND"},
                                             {"host_staging": "always"}),

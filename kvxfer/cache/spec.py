@@ -38,7 +38,9 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     dtype: CacheDtype = "float32"
     layout: Layout = "NHD"
     kv_split: bool = True
-    kv_fused: bool = False  # K|V concatenated per head: one tensor per layer, head vector 2 x head_size
+    # vLLM's CPU layout (HND only): one tensor per layer shaped [blocks, heads, block_size, 2 x head_size];
+    # in memory each head holds its block_size rows of K, then its block_size rows of V
+    kv_fused: bool = False
     mla: bool = False
     cross_layer: bool = False
     first_layer: int = 0
@@ -58,8 +60,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"KVCacheSpec.num_kv_heads: expected 1 with mla, got {self.num_kv_heads}")
         if self.mla and self.dtype == "uint8":
             raise ValueError("KVCacheSpec.dtype: uint8 is not supported with mla")
-        if self.kv_fused and (self.mla or self.cross_layer or self.dtype == "uint8"):
-            raise ValueError("KVCacheSpec.kv_fused: cannot be combined with mla, cross_layer or uint8")
+        if self.kv_fused and (self.mla or self.cross_layer or self.dtype == "uint8" or self.layout != "HND"):
+            raise ValueError("KVCacheSpec.kv_fused: needs layout HND; not with mla, cross_layer or uint8")
         if self.first_layer < 0:
             raise ValueError(f"KVCacheSpec.first_layer: expected >= 0, got {self.first_layer}")
 
@@ -75,7 +77,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def storage_head_size(self) -> int:
         """Elements per token per head as stored (uint8 carries its scale/zero in front; a fused
-        cache stores K then V)."""
+        cache's declared shape carries K and V in one 2 x head_size vector)."""
         if self.kv_fused:
             return 2 * self.head_size
         return self.head_size + QUANT_HEADER_BYTES if self.dtype == "uint8" else self.head_size

@@ -135,24 +135,13 @@ class KVCache:
             return t[:, 0], (None if spec.mla else t[:, 1])
         if spec.mla:
             return self.tensors[i], None
-        if spec.kv_fused:
-            t = self.tensors[i]
-            return t[..., : spec.head_size], t[..., spec.head_size :]
+        if spec.kv_fused:  # per head: block_size rows of K, then block_size rows of V
+            t = self.tensors[i].view(self.num_blocks, spec.num_kv_heads, 2, spec.block_size, spec.head_size)
+            return t[:, :, 0], t[:, :, 1]
         if spec.kv_split:
             return self.tensors[2 * i], self.tensors[2 * i + 1]
         t = self.tensors[i]
         return t[:, 0], t[:, 1]
-
-    def stored_part(self, layer: int, kv: int) -> torch.Tensor:
-        """Part ``kv`` (``0 <= kv < spec.num_kv``) of a layer as stored: K or V, the MLA latent,
-        or a fused cache's whole K|V tensor; ``[num_blocks, *block_shape]``."""
-        if not 0 <= kv < self.spec.num_kv:
-            raise ValueError(f"kv: expected 0 <= kv < {self.spec.num_kv}, got {kv}")
-        if self.spec.kv_fused:
-            return self.tensors[layer - self.spec.first_layer] if layer in self.spec.layers else self.layer_kv(layer)[0]
-        part = self.layer_kv(layer)[kv]
-        assert part is not None
-        return part
 
     def block_bytes(self, region_id: int, block_id: int) -> torch.Tensor:
         """The bytes of one block in one region, as a uint8 view (for tests and checks)."""

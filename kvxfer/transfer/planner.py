@@ -50,7 +50,7 @@ class SideLayout:
 
     layout: str
     block_size: int
-    num_heads: int  # heads this rank holds
+    num_heads: int  # heads this rank holds (a fused cache counts K and V of a head as two)
     row_bytes: int  # one token of one head: storage head size x itemsize
     kv_bytes: int  # one block of one layer's K (or V)
     num_kv: int
@@ -60,6 +60,7 @@ class SideLayout:
     kv_split: bool
     mla: bool
     regions: dict[int, tuple[int, int]]  # region id -> (block_stride, length)
+    head_factor: int  # stored heads per model head: 2 for a fused cache (its K and V run one after the other)
     by_layer: dict[tuple[int, int], int]  # (layer, kv) -> region id
 
     def locate(self, layer: int, kv: int) -> tuple[int, int, int]:
@@ -81,10 +82,7 @@ class SideLayout:
 
     @classmethod
     def from_remote(cls, spec: SpecInfo, regions: list[RegionInfo]) -> SideLayout:
-        if spec.kv_fused:
-            storage = 2 * spec.head_size
-        else:
-            storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
+        storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
         return cls.build(spec, TORCH_DTYPES[spec.dtype].itemsize, storage, regions)
 
     @classmethod
@@ -97,9 +95,12 @@ class SideLayout:
             else:
                 by_layer[(r.layers[0], 0)] = r.region_id
         row = storage_head_size * itemsize
+        # a fused cache is planned as HND with K and V of each head as two heads of token rows
+        factor = 2 if spec.kv_fused else 1
+        heads = spec.num_kv_heads * factor
         return cls(
-            layout=spec.layout, block_size=spec.block_size, num_heads=spec.num_kv_heads, row_bytes=row,
-            kv_bytes=spec.block_size * spec.num_kv_heads * row, num_kv=1 if spec.mla or spec.kv_fused else 2,
+            layout=spec.layout, block_size=spec.block_size, num_heads=heads, row_bytes=row,
+            kv_bytes=spec.block_size * heads * row, num_kv=1 if spec.mla or spec.kv_fused else 2, head_factor=factor,
             first_layer=spec.first_layer, num_layers=spec.num_layers, cross_layer=spec.cross_layer,
             kv_split=spec.kv_split, mla=spec.mla,
             regions={r.region_id: (r.block_stride, r.length) for r in regions}, by_layer=by_layer,
@@ -140,7 +141,11 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
     if remote.layout != local.layout:
         raise ValueError("plan_direct needs one layout on both sides")
     R, L = remote.block_size, local.block_size
-    nh = len(sl.remote_heads)
+    f = remote.head_factor
+    if f != local.head_factor:
+        raise ValueError("plan_direct: one side is fused (K and V per head), the other is not")
+    nh = len(sl.remote_heads) * f
+    r_head0, l_head0 = sl.remote_heads.start * f, sl.local_heads.start * f
     full = nh == remote.num_heads == local.num_heads
     rowb = remote.row_bytes
     if remote.layout == "NHD":
@@ -153,8 +158,8 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
             length = n_tok * remote.num_heads * rowb
         else:  # one token's slice of heads
             p = np.arange(skip_tokens, num_tokens, dtype=np.int64)
-            r_in = ((p % R) * remote.num_heads + sl.remote_heads.start) * rowb
-            l_in = ((p % L) * local.num_heads + sl.local_heads.start) * rowb
+            r_in = ((p % R) * remote.num_heads + r_head0) * rowb
+            l_in = ((p % L) * local.num_heads + l_head0) * rowb
             length = np.full(len(p), nh * rowb, dtype=np.int64)
     else:  # HND: per head, token runs of min(R, L)
         u = min(R, L)
@@ -163,8 +168,8 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
         hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
         hh, p = hh.ravel(), p.ravel()
         n_tok = np.minimum(u, num_tokens - p)
-        r_in = ((sl.remote_heads.start + hh) * R + p % R) * rowb
-        l_in = ((sl.local_heads.start + hh) * L + p % L) * rowb
+        r_in = ((r_head0 + hh) * R + p % R) * rowb
+        l_in = ((l_head0 + hh) * L + p % L) * rowb
         length = n_tok * rowb
     rblk = remote_blocks[p // R]
     lblk = local_blocks[p // L]
@@ -227,7 +232,9 @@ def finish_staged(plan: StagedPlan, remote: SideLayout, cache: KVCache, local_bl
         blocks = to_local(staged, remote_layout=remote.layout, local_layout=spec.layout, remote_block_size=R,
                           local_block_size=L, num_tokens=tokens)
         blocks = blocks.narrow(head_dim, plan.slice.remote_heads.start, len(plan.slice.remote_heads))
-        view = cache.stored_part(layer, kv)
+        k, v = cache.layer_kv(layer)
+        view = k if kv == 0 else v
+        assert view is not None
         if full_heads:
             view.index_copy_(0, ids, blocks.contiguous())
         else:
