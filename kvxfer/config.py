@@ -93,7 +93,8 @@ class CacheConfig(Config):
     dtype: CacheDtype = "float32"
     kv_split: bool = True
     # vLLM's CPU layout: one tensor per layer, [blocks, heads, block_size, 2 x head_size] in shape,
-    # and in memory each head's block_size rows of K then its block_size rows of V (HND only)
+    # and in memory each head's K block, then its V block (HND only); inside a block the kernels
+    # order tokens their own way, so blocks move whole and both sides need one block size
     kv_fused: bool = False
     cross_layer: bool = False
     device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda(:[0-9]+)?)$")] = "cpu"

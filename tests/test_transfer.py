@@ -143,9 +143,8 @@ CASES = {
     "fused K|V HND": ({"kv_fused": True, "layout": "HND"}, {"kv_fused": True, "layout": "HND"}),
     "fused K|V HND, prefill TP2 -> decode TP1": ({"kv_fused": True, "layout": "HND", "tp": 2},
                                                  {"kv_fused": True, "layout": "HND"}),
-    "fused K|V HND 64 -> 16": ({"kv_fused": True, "layout": "HND", "bs": 64}, {"kv_fused": True, "layout": "HND"}),
-    "fused K|V HND 16 -> 64, prefill TP1 -> decode TP2": ({"kv_fused": True, "layout": "HND"},
-                                                          {"kv_fused": True, "layout": "HND", "bs": 64, "tp": 2}),
+    "fused K|V HND, prefill TP1 -> decode TP2": ({"kv_fused": True, "layout": "HND"},
+                                                 {"kv_fused": True, "layout": "HND", "tp": 2}),
     # the path device caches take (host mirror, batched copies), forced on for CPU caches
     "host staging both sides, HND -> NHD": ({"host_staging": "always", "layout": "HND"},
                                             {"host_staging": "always"}),
@@ -271,6 +270,19 @@ def test_side_channel_survives_garbage_and_refuses_incompatible_peers(conn: str)
         # and the server still serves a good consumer
         (status, detail, _), = consume(make_cfg("decode", "D", connector=conn), prod.params["req2"])
         assert status == "ok", detail
+
+
+@pytest.mark.parametrize(("dkw", "why"), [
+    ({"kv_fused": True, "layout": "HND", "bs": 64}, "block sizes must match (local 64, remote 16)"),
+    ({"layout": "HND"}, "kv_fused: local False, remote True"),
+])
+def test_fused_caches_refuse_what_they_cannot_repack(conn: str, dkw: dict, why: str) -> None:
+    """vLLM's kernels order a block's rows their own way: blocks move whole, never re-cut."""
+    pcfg = make_cfg("prefill", "P", connector=conn, kv_fused=True, layout="HND")
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        (status, detail, _), = consume(make_cfg("decode", "D", connector=conn, **dkw), prod.params["req"])
+        assert status == "failed" and why in detail[1], detail
+        assert prod.wait_released("req", timeout=5.0), "the refused load abandons, so the producer frees"
 
 
 def test_auth_a_client_without_the_secret_gets_nothing(conn: str) -> None:

@@ -39,7 +39,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     layout: Layout = "NHD"
     kv_split: bool = True
     # vLLM's CPU layout (HND only): one tensor per layer shaped [blocks, heads, block_size, 2 x head_size];
-    # in memory each head holds its block_size rows of K, then its block_size rows of V
+    # in memory each head holds its K block, then its V block (rows in the kernel's own order)
     kv_fused: bool = False
     mla: bool = False
     cross_layer: bool = False

@@ -256,6 +256,10 @@ class Consumer:
             raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: kv_fused: local {local.kv_fused}, "
                                  f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)")
         rbs, lbs = meta.spec.block_size, local.block_size
+        if local.kv_fused and rbs != lbs:
+            raise HandshakeError(f"producer {engine_id} rank {r.rank}: fused caches (vLLM's CPU layout) move whole "
+                                 f"blocks in the engine's own token order: block sizes must match (local {lbs}, "
+                                 f"remote {rbs})")
         if max(rbs, lbs) % min(rbs, lbs):
             raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)")
 

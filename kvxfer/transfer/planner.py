@@ -144,6 +144,8 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
     f = remote.head_factor
     if f != local.head_factor:
         raise ValueError("plan_direct: one side is fused (K and V per head), the other is not")
+    if f == 2 and R != L:  # inside a block, vLLM's kernels order tokens their own way (tiled)
+        raise ValueError(f"fused caches move whole blocks: block sizes must match (remote {R}, local {L})")
     nh = len(sl.remote_heads) * f
     r_head0, l_head0 = sl.remote_heads.start * f, sl.local_heads.start * f
     full = nh == remote.num_heads == local.num_heads
@@ -167,7 +169,8 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
         h = np.arange(nh, dtype=np.int64)
         hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
         hh, p = hh.ravel(), p.ravel()
-        n_tok = np.minimum(u, num_tokens - p)
+        # a fused block's rows are in its engine's own order: always whole blocks
+        n_tok = np.full(len(p), u, dtype=np.int64) if f == 2 else np.minimum(u, num_tokens - p)
         r_in = ((r_head0 + hh) * R + p % R) * rowb
         l_in = ((l_head0 + hh) * L + p % L) * rowb
         length = n_tok * rowb

@@ -1,0 +1,189 @@
+"""Run a vLLM prefill/decode pair and send it requests (no vLLM import: vLLM runs in child processes).
+
+Used by ``examples/vllm_pd``, the vLLM tests and ``kvxfer bench vllm``. A request goes to the
+prefill server with ``max_tokens=1`` and ``do_remote_decode``; the ``kv_transfer_params`` it
+returns go with the same prompt to the decode server, which loads the prompt's KV and decodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_transfer_config(connector: str, role: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for ``connector`` "kvxfer" or "nixl" and role prefill/decode."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    cfg: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": "recompute"}
+    if connector == "kvxfer":
+        cfg["kv_connector"] = "KvxferConnector"
+    elif connector == "nixl":
+        cfg.update(kv_connector="NixlConnector", kv_buffer_device="cpu")
+    else:
+        raise ValueError(f"connector: expected kvxfer or nixl, got {connector!r}")
+    if extra:
+        cfg["kv_connector_extra_config"] = dict(extra)
+    return cfg
+
+
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process; its output goes to ``log``."""
+
+    def __init__(self, model: str | Path, port: int, role: str, connector: str = "kvxfer",
+                 extra: Mapping[str, Any] | None = None, dtype: str = "bfloat16", cpu: str | None = None,
+                 log: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 served_name: str = "tiny", max_model_len: int = 1024) -> None:
+        self.port = port
+        self.role = role
+        self.log_path = Path(log) if log else Path(f"/tmp/kvxfer-vllm-{role}-{port}.log")
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+                "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role, extra))]
+        e = dict(os.environ)
+        e.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                  "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        if cpu is not None:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+        if connector == "nixl":  # NIXL's UCX over loopback on one host
+            e.setdefault("UCX_TLS", "sm,self,tcp")
+            e.setdefault("UCX_NET_DEVICES", "lo")
+            e["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        e.update(env or {})
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=e,
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM {self.role} server exited with {self.proc.returncode} while starting; "
+                                   f"last lines of {self.log_path}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM {self.role} server not ready within {timeout_s:g}s; {self.log_path}:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, ``name{labels}`` -> value."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    continue
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (API process and engine core): a crashed instance."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT_S; returns the exit status (negative: killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("vLLM %s server ignored SIGTERM for %gs; killing it", self.role, STOP_TIMEOUT_S)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        # children of the engine, if any survived, go with the group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+def post(url: str, body: Mapping[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+
+
+def completion_body(prompt: list[int] | str, max_tokens: int, kv_transfer_params: Mapping[str, Any] | None = None,
+                    model: str = "tiny") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+def prefill(prefill_url: str, prompt: list[int] | str, model: str = "tiny") -> dict[str, Any]:
+    """Run the prompt on the prefill server; returns its ``kv_transfer_params`` for the decode side."""
+    out = post(prefill_url + "/v1/completions",
+               completion_body(prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False}, model))
+    params = out.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"the prefill server returned no kv_transfer_params: {json.dumps(out)[:500]}")
+    return params
+
+
+def disaggregated(prefill_url: str, decode_url: str, prompt: list[int] | str, max_tokens: int,
+                  model: str = "tiny") -> dict[str, Any]:
+    """Prefill on one server, decode on the other; returns the decode server's completion."""
+    params = prefill(prefill_url, prompt, model)
+    return post(decode_url + "/v1/completions", completion_body(prompt, max_tokens, params, model))
+
+
+def local(url: str, prompt: list[int] | str, max_tokens: int, model: str = "tiny") -> dict[str, Any]:
+    """The same request computed entirely on one server (the reference)."""
+    return post(url + "/v1/completions", completion_body(prompt, max_tokens, None, model))
+
+
+def token_ids(completion: Mapping[str, Any]) -> list[int]:
+    choice = completion["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise RuntimeError("the server returned no token_ids (needs vLLM with return_token_ids)")
+    return list(ids)
