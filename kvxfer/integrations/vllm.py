@@ -44,6 +44,7 @@ from kvxfer.cache.spec import TORCH_DTYPES, KVCacheSpec, spec_from_config
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, ParallelConfig, convert, read_yaml
 from kvxfer.connector import Connector
+from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import KVTransferParams, RemoteRank
 from kvxfer.topology import ParallelLayout
 
@@ -76,6 +77,8 @@ class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     abort_s: float | None = None
     auth_secret_env: str | None = None
     model_name: str | None = None  # what both instances must agree on; default vLLM's served name
+    metrics_port: int | None = None  # kvxfer's Prometheus endpoint; rank r on port + r (0: any free port)
+    metrics_host: str = "127.0.0.1"
 
 
 def _name(text: str) -> str:
@@ -84,7 +87,8 @@ def _name(text: str) -> str:
     return out[:128] or "vllm"
 
 
-def instance_config(vllm_config: VllmConfig, num_blocks: int, dtype: str = "float32") -> InstanceConfig:
+def instance_config(vllm_config: VllmConfig, num_blocks: int,
+                    dtype: str = "float32") -> tuple[VllmSettings, InstanceConfig]:
     """The kvxfer view of a vLLM instance: role, geometry from vLLM, connector from the settings."""
     kvt = vllm_config.kv_transfer_config
     try:
@@ -109,7 +113,7 @@ def instance_config(vllm_config: VllmConfig, num_blocks: int, dtype: str = "floa
                                                else {})},
                             ConnectorConfig, "kv_connector_extra_config")
     assert isinstance(connector, ConnectorConfig)
-    return InstanceConfig(
+    return s, InstanceConfig(
         role=ROLES[kvt.kv_role], engine_id=_name(kvt.engine_id or "vllm"), model=model,
         cache=CacheConfig(block_size=vllm_config.cache_config.block_size, num_blocks=max(num_blocks, 1),
                           layout="HND", kv_fused=True, dtype=dtype, huge_pages=False),  # type: ignore[arg-type]
@@ -195,7 +199,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 1
-        self.cfg = instance_config(vllm_config, num_blocks)
+        self.settings, self.cfg = instance_config(vllm_config, num_blocks)
         self.layout = ParallelLayout.from_config(self.cfg)
         # scheduler side
         self._pending = KvxferMetadata()
@@ -203,6 +207,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._ranks: dict[int, RemoteRank] = {}
         # worker side
         self.connector: Connector | None = None
+        self.metrics_server: MetricsServer | None = None
         self._invalid: set[int] = set()
         self._failed_now: set[str] = set()  # loads refused at start: reported at the next poll
         self._released_now: set[str] = set()  # holds that could not be made: blocks go back at once
@@ -295,7 +300,7 @@ class KvxferConnector(KVConnectorBase_V1):
         dtype = next((k for k, v in TORCH_DTYPES.items() if v == first.dtype), None)
         if dtype is None:
             raise ValueError(f"register_kv_caches: KV dtype {first.dtype} is not one kvxfer moves")
-        self.cfg = instance_config(self._vllm_config, first.shape[0], dtype)
+        self.settings, self.cfg = instance_config(self._vllm_config, first.shape[0], dtype)
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
         rank = pp_rank * self.cfg.parallel.tp + tp_rank
         spec: KVCacheSpec = spec_from_config(self.cfg, pp_rank)
@@ -305,6 +310,10 @@ class KvxferConnector(KVConnectorBase_V1):
         cache = KVCache(spec=spec, num_blocks=first.shape[0], tensors=[by_layer[i] for i in layers], names=[])
         self.connector = Connector.from_config(self.cfg, rank)
         self.connector.register_kv_caches(cache)
+        if self.settings.metrics_port is not None:
+            port = self.settings.metrics_port + rank if self.settings.metrics_port else 0
+            self.metrics_server = MetricsServer(self.settings.metrics_host, port)
+            self.metrics_server.add(self.connector.metrics)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         c = self.connector
@@ -378,6 +387,9 @@ class KvxferConnector(KVConnectorBase_V1):
         return KvxferStats(data=data) if data is not None else KvxferStats()
 
     def shutdown(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         if self.connector is not None:
             self.connector.close()
             self.connector = None

@@ -1,0 +1,231 @@
+"""A real vLLM prefill server and a real vLLM decode server, connected by KvxferConnector.
+
+Tiny random-weight Llama written locally (nothing downloaded), one core per server. For each
+data plane (tcp, ucx) and KV dtype (bfloat16, float32):
+- decode output equals the decode server's own local computation, token for token, through
+  the launcher and through the example proxy;
+- vLLM's metrics count the prompts as external tokens and kvxfer's count the exact bytes, no
+  failed load, and both servers end with no block in use;
+- a prefill server with other weights changes the decode output (the KV really came over);
+- a prefill server killed after it answered: the decode request still completes, by
+  recomputation, with the reference output, and no block leaks;
+- both servers shut down cleanly (exit status 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvxfer.integrations.vllm_pd import (
+    VllmServer,
+    disaggregated,
+    free_port,
+    local,
+    post,
+    prefill,
+    token_ids,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "vllm_pd"
+BLOCK = 128  # vLLM's CPU block size
+LAYERS, KV_HEADS, HEAD = 2, 2, 32  # the tiny model (examples/vllm_pd/tiny_model.py)
+PROMPT_LENS = [300, 128, 77]  # three blocks with a partial one, one exact block, one partial block
+MAX_TOKENS = 12
+
+
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed: pip install -c constraints.txt -e '.[vllm-test]' (see README)")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    _require_vllm()
+    out = {}
+    for seed in (0, 1):
+        path = tmp_path_factory.mktemp(f"tiny{seed}")
+        subprocess.run([sys.executable, str(EXAMPLE / "tiny_model.py"), str(path), "--seed", str(seed)], check=True,
+                       capture_output=True, timeout=300)
+        out[seed] = path
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key.split("{")[0]] = out.get(key.split("{")[0], 0.0) + float(value)
+    return out
+
+
+def vllm_sample(server: VllmServer, name: str, **labels: str) -> float:
+    total = 0.0
+    for key, v in server.metrics().items():
+        if key.split("{")[0] == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
+            total += v
+    return total
+
+
+def wait_until(check, timeout_s: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return bool(check())
+
+
+@dataclass
+class Pair:
+    plane: str
+    dtype: str
+    prefill: VllmServer
+    decode: VllmServer
+    p_metrics: int  # kvxfer's metrics ports
+    d_metrics: int
+    models: dict[int, Path]
+    logs: Path
+
+
+def extra(plane: str, metrics_port: int) -> dict[str, object]:
+    """kv_connector_extra_config: short handshake timeouts, kvxfer's own metrics endpoint."""
+    return {"data_plane": plane, "handshake_s": 2.0, "transfer_s": 20.0, "metrics_port": metrics_port}
+
+
+PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx", "bfloat16"), ("ucx", "float32")]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])
+def pair(request: pytest.FixtureRequest, models: dict[int, Path],
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    plane, dtype = request.param
+    logs = tmp_path_factory.mktemp(f"vllm-{plane}-{dtype}")
+    pm, dm = free_port(), free_port()
+    p = VllmServer(models[0], free_port(), "prefill", extra=extra(plane, pm), dtype=dtype, cpu="0",
+                   log=logs / "prefill.log")
+    d = VllmServer(models[0], free_port(), "decode", extra=extra(plane, dm), dtype=dtype, cpu="1",
+                   log=logs / "decode.log")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield Pair(plane, dtype, p, d, pm, dm, models, logs)
+    finally:
+        p.stop()
+        d.stop()
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def block_bytes(dtype: str) -> int:
+    return LAYERS * KV_HEADS * 2 * BLOCK * HEAD * (2 if dtype == "bfloat16" else 4)
+
+
+def test_decode_equals_its_own_local_computation(pair: Pair) -> None:
+    d0, v0 = scrape(pair.d_metrics), vllm_sample(pair.decode, "vllm:prompt_tokens_by_source_total",
+                                                 source="external_kv_transfer")
+    for prompt in prompts():
+        ref = token_ids(local(pair.decode.url, prompt, MAX_TOKENS))
+        got = token_ids(disaggregated(pair.prefill.url, pair.decode.url, prompt, MAX_TOKENS))
+        assert got == ref, f"{len(prompt)}-token prompt: decode after transfer differs from local"
+    d1 = scrape(pair.d_metrics)
+    external = vllm_sample(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - v0
+    assert external == sum(PROMPT_LENS), "vLLM counts every prompt token as loaded from outside"
+    assert d1["kvxfer_loads_ok_total"] - d0.get("kvxfer_loads_ok_total", 0) == len(PROMPT_LENS)
+    assert d1["kvxfer_loads_failed_total"] - d0.get("kvxfer_loads_failed_total", 0) == 0
+    blocks = sum(math.ceil(n / BLOCK) for n in PROMPT_LENS)
+    assert d1["kvxfer_bytes_received_total"] - d0.get("kvxfer_bytes_received_total", 0) == \
+        blocks * block_bytes(pair.dtype), "exactly the prompts' blocks crossed"
+    # the prefill side freed every held block once the decode side said done
+    assert wait_until(lambda: scrape(pair.p_metrics)["kvxfer_held_blocks"] == 0)
+    assert wait_until(lambda: vllm_sample(pair.prefill, "vllm:kv_cache_usage_perc") == 0.0)
+    assert vllm_sample(pair.decode, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_through_the_example_proxy(pair: Pair) -> None:
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, str(EXAMPLE / "proxy.py"), "--prefill", pair.prefill.url,
+                              "--decode", pair.decode.url, "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=open(pair.logs / "proxy.log", "w"))  # noqa: SIM115
+    try:
+        prompt = prompts()[0]
+        ref = local(pair.decode.url, prompt, MAX_TOKENS)["choices"][0]["text"]
+        assert wait_until(lambda: _listening(port), 30)
+        loaded = scrape(pair.d_metrics)["kvxfer_loads_ok_total"]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        text = ""
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == ref
+        assert scrape(pair.d_metrics)["kvxfer_loads_ok_total"] == loaded + 1, "the proxy's request went through kvxfer"
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_other_prefill_weights_change_the_output_and_a_killed_prefill_is_recomputed(pair: Pair) -> None:
+    pm = free_port()
+    other = VllmServer(pair.models[1], free_port(), "prefill", extra=extra(pair.plane, pm), dtype=pair.dtype, cpu="0",
+                       log=pair.logs / "other-prefill.log")
+    try:
+        other.wait_ready()
+        prompt = prompts()[0]
+        ref = token_ids(local(pair.decode.url, prompt, MAX_TOKENS))
+        got = token_ids(disaggregated(other.url, pair.decode.url, prompt, MAX_TOKENS))
+        assert got != ref, "KV from other weights must change what decode produces"
+        # now the prefill instance dies after it answered, before decode reads
+        before = scrape(pair.d_metrics)
+        params = prefill(other.url, prompts()[1])
+        other.kill()
+        out = post(pair.decode.url + "/v1/completions",
+                   {"model": "tiny", "prompt": prompts()[1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params})
+        assert token_ids(out) == token_ids(local(pair.decode.url, prompts()[1], MAX_TOKENS)), \
+            "the failed load's blocks were recomputed with the decode side's own weights"
+        after = scrape(pair.d_metrics)
+        assert after["kvxfer_loads_failed_total"] - before.get("kvxfer_loads_failed_total", 0) == 1
+        assert vllm_sample(pair.decode, "vllm:kv_cache_usage_perc") == 0.0, "no block leaked on the decode side"
+        # and the decode server goes on loading from the live prefill server
+        p2 = prompts()[2]
+        assert token_ids(disaggregated(pair.prefill.url, pair.decode.url, p2, MAX_TOKENS)) == \
+            token_ids(local(pair.decode.url, p2, MAX_TOKENS))
+    finally:
+        other.stop()
+
+
+def test_both_servers_shut_down_cleanly(pair: Pair) -> None:
+    assert pair.prefill.stop() == 0, pair.prefill.tail()
+    assert pair.decode.stop() == 0, pair.decode.tail()
