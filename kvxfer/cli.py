@@ -137,7 +137,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-BENCHES = {"transfer": "kvxfer.bench.transfer", "repack": "kvxfer.bench.repack", "e2e": "kvxfer.bench.e2e"}
+BENCHES = {"transfer": "kvxfer.bench.transfer", "repack": "kvxfer.bench.repack", "e2e": "kvxfer.bench.e2e",
+           "vllm": "kvxfer.bench.vllm"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-port", type=int, default=0, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="benchmarks with same-run baselines: transfer, repack, e2e "
+    p = sub.add_parser("bench", help="benchmarks with same-run baselines: transfer, repack, e2e, vllm "
                                      "(kvxfer bench WHAT --help for each)")
     p.add_argument("what", choices=sorted(BENCHES))
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
