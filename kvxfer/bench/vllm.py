@@ -72,9 +72,11 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
     mport = free_port()
     if kind == "kvxfer":
         extra = {"data_plane": connector.split("-", 1)[1], "metrics_port": mport}
+    length = max(1024, max(len(q) for q in prompts) + output + 1)
     p = VllmServer(model, free_port(), "prefill", kind, extra and {**extra, "metrics_port": free_port()}, dtype,
-                   cpu="0", log=logdir / f"{connector}-prefill.log")
-    d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu="1", log=logdir / f"{connector}-decode.log")
+                   cpu="0", log=logdir / f"{connector}-prefill.log", max_model_len=length)
+    d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu="1", log=logdir / f"{connector}-decode.log",
+                   max_model_len=length)
     metrics_url = f"http://127.0.0.1:{mport}/metrics" if kind == "kvxfer" else d.url + "/metrics"
     hist = "kvxfer_transfer_seconds" if kind == "kvxfer" else "vllm:nixl_xfer_time_seconds"
     try:

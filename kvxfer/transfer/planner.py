@@ -163,6 +163,19 @@ def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_b
             r_in = ((p % R) * remote.num_heads + r_head0) * rowb
             l_in = ((p % L) * local.num_heads + l_head0) * rowb
             length = np.full(len(p), nh * rowb, dtype=np.int64)
+    elif full and R == L:  # HND, all heads, one block size: whole blocks, one piece each
+        p = np.arange(skip_tokens, num_tokens, R, dtype=np.int64)  # skip_tokens is block-aligned
+        block_bytes = R * nh * rowb
+        length = np.full(len(p), block_bytes, dtype=np.int64)
+        r_in = np.zeros(len(p), dtype=np.int64)
+        l_in = np.zeros(len(p), dtype=np.int64)
+        tail = num_tokens - p[-1] if len(p) else R
+        if f == 1 and tail < R:  # a partial last block: each head's valid rows (a fused block moves whole)
+            h = np.arange(nh, dtype=np.int64)
+            p = np.concatenate([p[:-1], np.full(nh, p[-1], dtype=np.int64)])
+            r_in = np.concatenate([r_in[:-1], h * R * rowb])
+            l_in = np.concatenate([l_in[:-1], h * L * rowb])
+            length = np.concatenate([length[:-1], np.full(nh, tail * rowb, dtype=np.int64)])
     else:  # HND: per head, token runs of min(R, L)
         u = min(R, L)
         p1 = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
