@@ -66,7 +66,7 @@ def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
 
 
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
-             logdir: Path) -> dict[str, Any]:
+             logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1")) -> dict[str, Any]:
     kind = "nixl" if connector == "nixl" else "kvxfer"
     extra = None
     mport = free_port()
@@ -74,9 +74,9 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
         extra = {"data_plane": connector.split("-", 1)[1], "metrics_port": mport}
     length = max(1024, max(len(q) for q in prompts) + output + 1)
     p = VllmServer(model, free_port(), "prefill", kind, extra and {**extra, "metrics_port": free_port()}, dtype,
-                   cpu="0", log=logdir / f"{connector}-prefill.log", max_model_len=length)
-    d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu="1", log=logdir / f"{connector}-decode.log",
-                   max_model_len=length)
+                   cpu=cpus[0], log=logdir / f"{connector}-prefill.log", max_model_len=length)
+    d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu=cpus[1],
+                   log=logdir / f"{connector}-decode.log", max_model_len=length)
     metrics_url = f"http://127.0.0.1:{mport}/metrics" if kind == "kvxfer" else d.url + "/metrics"
     hist = "kvxfer_transfer_seconds" if kind == "kvxfer" else "vllm:nixl_xfer_time_seconds"
     try:
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--output", type=int, default=8, help="output tokens per request")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--cpus", nargs=2, default=["0", "1"], metavar=("PREFILL", "DECODE"),
+                    help="VLLM_CPU_OMP_THREADS_BIND of each server ('none': unbound); default: one core each")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="PNG: TTFT and transfer time per connector")
     args = ap.parse_args(argv)
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.connectors:
         if c in missing:
             continue
-        rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work))
+        cpus = tuple(None if x == "none" else x for x in args.cpus)
+        rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work, cpus))  # type: ignore[arg-type]
     base = next((r for r in rows if r["connector"] == "nixl"), None)
     for r in rows:
         r["ttft_ratio_to_nixl"] = r["ttft_p50_ms"] / base["ttft_p50_ms"] if base else None

@@ -24,6 +24,7 @@ geometry always come from vLLM. vLLM's CPU cache is one tensor per layer, shaped
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -177,6 +178,17 @@ class KvxferStats(KVConnectorStats):
 COUNTERS = ("loads_started", "loads_ok", "loads_failed", "load_timeouts", "bytes_received", "busy_s")
 
 
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: with ``KVXFER_LOG_LEVEL`` set, kvxfer's go to stderr too."""
+    level = os.environ.get("KVXFER_LOG_LEVEL")
+    root = logging.getLogger("kvxfer")
+    if level and not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level.upper())
+
+
 def _params_of(request: Request) -> KVTransferParams | None:
     """The kvxfer params a decode request carries, or None; bad params are refused loudly."""
     p = request.kv_transfer_params
@@ -212,6 +224,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._failed_now: set[str] = set()  # loads refused at start: reported at the next poll
         self._released_now: set[str] = set()  # holds that could not be made: blocks go back at once
         self._last: dict[str, float] = {}
+        _log_to_stderr()
         logger.info("kvxfer %s side for %s (%s, data plane %s)", role.name.lower(), self.cfg.engine_id,
                     self.cfg.role, self.cfg.connector.name)
 
