@@ -97,8 +97,10 @@ class Connector:
     def from_config(cls, config: InstanceConfig, rank: int = 0) -> Connector:
         plane_cls = load_data_plane(config.connector.name)
         options = dict(config.connector.data_plane)
-        if plane_cls.name in ("tcp", "ucx"):
+        known = plane_cls.known_options or frozenset()  # defaults for the planes that take these options
+        if "host" in known:
             options.setdefault("host", config.connector.side_channel.host)
+        if "timeout_s" in known:
             options.setdefault("timeout_s", config.connector.timeouts.transfer_s)
         return cls(config, rank, plane_cls(options))
 

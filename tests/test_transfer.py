@@ -27,7 +27,7 @@ from kvxfer.handshake import AuthError, SideChannelClient
 from kvxfer.protocol import KVTransferParams, merge_params
 from kvxfer.topology import ParallelLayout
 
-CONNECTORS = ["tcp", "ucx"]
+CONNECTORS = ["tcp", "ucx", "cma"]
 
 
 @pytest.fixture(params=CONNECTORS)
@@ -223,6 +223,20 @@ def test_consumer_that_never_reads_lets_the_producer_free(conn: str) -> None:
         assert prod.wait_released("req", timeout=5.0)
 
 
+def test_cma_producer_dead_before_the_read_fails_the_load_with_its_blocks() -> None:
+    """cma copies one-sided, at memory speed: a kill cannot land mid-copy (the kernel keeps the
+    producer's memory until the copy returns), so its failure case is a producer already gone."""
+    pcfg, dcfg = make_cfg("prefill", "P", connector="cma"), make_cfg("decode", "D", connector="cma", transfer_s=5.0)
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        os.kill(prod.procs[0][0].pid, signal.SIGKILL)
+        prod.procs[0][0].join(timeout=10)
+        (status, detail, elapsed), = consume(dcfg, prod.params["req"])
+    assert status == "failed" and detail[0] == D_BLOCKS[:7], detail
+    assert elapsed < 5.0 + 3.0
+
+
+# the kill must land while bytes move: two-sided planes only (see the cma case above)
+@pytest.mark.parametrize("conn", ["tcp", "ucx"])
 def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn: str) -> None:
     ntok = 64 * 1024  # 512 MiB of KV: the kill lands while bytes are moving
     pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0)

@@ -110,7 +110,7 @@ def extra(plane: str, metrics_port: int) -> dict[str, object]:
     return {"data_plane": plane, "handshake_s": 2.0, "transfer_s": 20.0, "metrics_port": metrics_port}
 
 
-PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx", "bfloat16"), ("ucx", "float32")]
+PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx", "bfloat16"), ("ucx", "float32"), ("cma", "bfloat16")]
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])

@@ -1,5 +1,5 @@
 """``kvxfer bench vllm``: a real vLLM prefill/decode pair, with vLLM's own NixlConnector and
-with KvxferConnector (tcp and ucx), given the same prompts in one run.
+with KvxferConnector (tcp, ucx and cma), given the same prompts in one run.
 
 Per connector: two vLLM servers on this machine (one core each), a warm-up, then requests one
 at a time: the prompt on the prefill server (``max_tokens=1``), then the decode server streams
@@ -32,7 +32,7 @@ from kvxfer.engine.launcher import _pct
 from kvxfer.integrations.vllm_pd import VllmServer, completion_body, free_port, prefill
 from kvxfer.progress import Progress
 
-CONNECTORS = ("nixl", "kvxfer-tcp", "kvxfer-ucx")
+CONNECTORS = ("nixl", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
 
 
 def _scrape(url: str) -> dict[str, float]:

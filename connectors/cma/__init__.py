@@ -1,0 +1,317 @@
+"""The ``cma`` data plane: one-sided reads between processes of one host (``process_vm_readv``).
+
+The consumer copies straight from the producer's registered memory into its own blocks with
+Linux cross-memory attach, the transport UCX calls CMA and NIXL's same-host reads use. The
+producer's CPU does no copying: on a host where the producer's cores are busy (a vLLM worker
+spins on its core between steps) this is what keeps a transfer at memory speed.
+
+Reads stay checked by the producer: before copying, the consumer sends the batch's pieces to
+the producer's control socket (ZMQ) and copies only after the producer's holds and region
+table allowed them (the grant renews the hold's lease, so it cannot lapse mid-copy). Like
+RDMA one-sided reads, the grant is honoured by the consumer, not enforced by the kernel: the
+kernel lets a process read another only where it could ptrace it (same user, or
+CAP_SYS_PTRACE; Yama's ``ptrace_scope`` may narrow that), and such a process could read that
+memory anyway. ``connect`` probes one byte and says plainly when the kernel refuses (another
+host, another pid namespace, ptrace denied): use ``tcp`` or ``ucx`` there.
+
+A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
+deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
+
+Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
+control socket listens; default the side channel's host).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvxfer.config import DataPlaneValue
+from kvxfer.dataplane import (
+    BatchResult,
+    Descriptors,
+    HostRegionPlane,
+    ReadValidator,
+    TokenChecker,
+    check_bounds,
+)
+from kvxfer.protocol import MAX_READ_PIECES, ReadReply, ReadRequest, decode_data, encode
+
+logger = logging.getLogger(__name__)
+
+OPTIONS = {"timeout_s", "host"}
+MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
+IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_readv = _libc.process_vm_readv
+_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+_readv.restype = ctypes.c_ssize_t
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class CmaAddress(msgspec.Struct, frozen=True):
+    pid: int
+    boot_id: str  # another host's process with the same pid must not be read
+    control: str  # the producer's ZMQ endpoint for grants
+    regions: dict[int, tuple[int, int]]  # region id -> (address, length) in the producer
+
+
+@dataclass
+class _Peer:
+    addr: CmaAddress
+    dealer: Any  # zmq DEALER to the producer's control socket (plane thread only)
+    token: bytes
+    base: np.ndarray  # remote region id -> address, indexed by position in ids
+    ids: np.ndarray
+    sizes: np.ndarray
+
+
+def copy_from(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
+    """Copy the pieces ``remote`` [n, 2] (address, length) of process ``pid`` into ``local`` [n, 2];
+    IOV_MAX at a time, the GIL released during each call. Raises OSError on any failure or
+    short copy."""
+    for a in range(0, len(local), IOV_MAX):
+        lo, re = np.ascontiguousarray(local[a : a + IOV_MAX]), np.ascontiguousarray(remote[a : a + IOV_MAX])
+        want = int(lo[:, 1].sum())
+        got = _readv(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+        if got != want:
+            raise OSError(f"process_vm_readv from pid {pid}: short copy, {got} of {want} bytes")
+
+
+class CmaDataPlane(HostRegionPlane):
+    """Grant over ZMQ, then a one-sided copy with process_vm_readv; see the module docstring."""
+
+    name = "cma"
+    known_options = frozenset(OPTIONS)
+
+    def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
+        super().__init__(options)
+        self.timeout_s = float(self.options.get("timeout_s", 30.0))
+        if self.timeout_s <= 0:
+            raise ValueError(f"connector.data_plane.timeout_s: expected > 0, got {self.timeout_s}")
+        self.engine_id = "kvxfer"
+        self._validator: ReadValidator | None = None
+        self._token_checker: TokenChecker | None = None
+        self._on_complete: Callable[[], None] | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._results: list[BatchResult] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._refused: set[tuple[str, str]] = set()
+        self._names: dict[bytes, str] = {}  # control identity -> the engine id it said hello as
+        self._ctx = zmq.Context.instance()
+        self._ctrl = self._ctx.socket(zmq.ROUTER)
+        self._ctrl.setsockopt(zmq.LINGER, 0)
+        self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        host = str(self.options.get("host", "127.0.0.1"))
+        self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
+        self._jobs: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._serve_thread = threading.Thread(target=self._serve, name="kvxfer-cma-grants", daemon=True)
+        self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
+        self._serve_thread.start()
+        self._read_thread.start()
+
+    # ------------------------------------------------------------------ registration
+    def address(self) -> bytes:
+        regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
+        return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(), control=self._ctrl_addr,
+                                                 regions=regions))
+
+    def set_read_validator(self, validator: ReadValidator) -> None:
+        self._validator = validator
+
+    def set_token_checker(self, checker: TokenChecker) -> None:
+        self._token_checker = checker
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:
+        self._on_complete = callback
+
+    # ------------------------------------------------------------------ consumer
+    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
+        try:
+            addr = msgspec.msgpack.decode(address, type=CmaAddress)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ConnectionError(f"peer {peer_id}: bad cma address: {e}") from None
+        if addr.boot_id != _boot_id():
+            raise ConnectionError(f"peer {peer_id} runs on another host: the cma data plane reads only on one "
+                                  f"host (use tcp or ucx)")
+        if not addr.regions:
+            raise ConnectionError(f"peer {peer_id} registered no regions")
+        base, _length = next(iter(addr.regions.values()))
+        probe = np.zeros(1, dtype=np.uint8)
+        try:
+            copy_from(addr.pid, np.array([[probe.ctypes.data, 1]], dtype=np.uint64),
+                      np.array([[base, 1]], dtype=np.uint64))
+        except OSError as e:
+            raise ConnectionError(f"peer {peer_id} (pid {addr.pid}): the kernel refuses cross-memory reads ({e}); "
+                                  f"another pid namespace, or ptrace denied: use tcp or ucx") from None
+        ids = np.array(sorted(addr.regions), dtype=np.int64)
+        peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.uint64), ids,
+                     np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64))
+        self._jobs.put(("connect", (peer_id, peer)))
+
+    def disconnect(self, peer_id: str) -> None:
+        self._jobs.put(("disconnect", peer_id))
+
+    def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
+        batch_id = next(self._ids)
+        why = check_bounds(self._table, descriptors.local_region, descriptors.local_offset, descriptors.length)
+        if why is not None or len(descriptors) == 0:
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why))
+        else:
+            self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
+        return batch_id
+
+    def _finish(self, res: BatchResult) -> None:
+        with self._lock:
+            self._results.append(res)
+        if self._on_complete is not None:
+            self._on_complete()
+
+    def _run(self) -> None:
+        """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads."""
+        while (job := self._jobs.get()) is not None:
+            kind, arg = job
+            if kind == "connect":
+                peer_id, peer = arg
+                old = self._peers.pop(peer_id, None)
+                if old is not None:
+                    old.dealer.close(linger=0)
+                peer.dealer = self._ctx.socket(zmq.DEALER)
+                peer.dealer.setsockopt(zmq.LINGER, 0)
+                peer.dealer.connect(peer.addr.control)
+                peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
+                self._peers[peer_id] = peer
+            elif kind == "disconnect":
+                old = self._peers.pop(arg, None)
+                if old is not None:
+                    old.dealer.close(linger=0)
+            else:
+                peer_id, request_id, batch_id, d = arg
+                try:
+                    self._read(peer_id, request_id, batch_id, d)
+                    self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
+                except Exception as e:  # any failure fails the batch, named; the thread goes on
+                    self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: {e}"))
+        for p in self._peers.values():
+            p.dealer.close(linger=0)
+
+    def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise ConnectionError("not connected")
+        pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
+        if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
+            raise ValueError("a piece lies outside the producer's regions")
+        req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
+                          offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(), token=peer.token)
+        peer.dealer.send(b"R" + encode(req))
+        # a late reply to an earlier batch (it timed out) is skipped; this batch's must come in time
+        deadline = self.timeout_s * 1000
+        while True:
+            if not peer.dealer.poll(deadline):
+                self._peers.pop(peer_id, None)
+                peer.dealer.close(linger=0)
+                raise TimeoutError(f"no grant within {self.timeout_s:g}s")
+            reply = decode_data(peer.dealer.recv())
+            if isinstance(reply, ReadReply) and reply.batch_id == batch_id:
+                break
+        if reply.error:
+            raise ValueError(f"read refused: {reply.error}")
+        used = np.unique(d.local_region)
+        bases = np.array([self._regions[int(r)].address for r in used], dtype=np.uint64)
+        local = np.empty((len(d), 2), dtype=np.uint64)
+        local[:, 0] = bases[np.searchsorted(used, d.local_region)] + d.local_offset.astype(np.uint64)
+        local[:, 1] = d.length
+        remote = np.empty((len(d), 2), dtype=np.uint64)
+        remote[:, 0] = peer.base[pos] + d.remote_offset.astype(np.uint64)
+        remote[:, 1] = d.length
+        copy_from(peer.addr.pid, local, remote)
+
+    # ------------------------------------------------------------------ producer
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._ctrl, zmq.POLLIN)
+        while not self._closed:
+            try:
+                if not poller.poll(100):
+                    continue
+                ident, payload = self._ctrl.recv_multipart(zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError):
+                continue
+            kind, body = payload[:1], payload[1:]
+            if kind == b"H":
+                self._names[ident] = body.decode(errors="replace")[:256]
+                continue
+            peer = self._names.get(ident, "a consumer that never said hello")
+            try:
+                msg = decode_data(body)
+            except Exception as e:  # malformed: logged once, unanswered
+                self._refuse_once(peer, f"undecodable grant request: {e}")
+                continue
+            if isinstance(msg, ReadRequest):
+                self._ctrl.send_multipart([ident, encode(self._grant(msg, peer))])
+        self._ctrl.close(linger=0)
+
+    def _refuse_once(self, peer: str, why: str) -> None:
+        key = (peer, why.split(":")[0])
+        if key not in self._refused:
+            self._refused.add(key)
+            logger.warning("cma data plane refused peer %s: %s", peer, why)
+
+    def _grant(self, req: ReadRequest, peer: str) -> ReadReply:
+        arrays = [np.frombuffer(b, dtype="<i8") for b in (req.regions, req.offsets, req.lengths)]
+        n = len(arrays[0])
+        if self._token_checker is not None and not self._token_checker(req.token):
+            why = "no valid handshake token"
+        elif any(len(a) != n for a in arrays) or n > MAX_READ_PIECES or n == 0:
+            why = "malformed read request"
+        elif (arrays[2] <= 0).any() or (arrays[1] < 0).any():
+            why = "lengths must be > 0 and offsets >= 0"
+        else:
+            regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
+            zeros = np.zeros(n, dtype=np.int64)
+            why = check_bounds(self._table, regions, offsets, lengths)
+            if why is None and self._validator is not None:
+                why = self._validator(req.request_id, Descriptors(regions, offsets, zeros, zeros, lengths))
+        if why:
+            self._refuse_once(peer, f"read for {req.request_id}: {why}")
+        return ReadReply(batch_id=req.batch_id, nbytes=0 if why else int(arrays[2].sum()), error=why or "")
+
+    # ------------------------------------------------------------------ both
+    def poll(self) -> list[BatchResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._read_thread.join(timeout=5)
+        self._serve_thread.join(timeout=5)
