@@ -229,3 +229,18 @@ def test_other_prefill_weights_change_the_output_and_a_killed_prefill_is_recompu
 def test_both_servers_shut_down_cleanly(pair: Pair) -> None:
     assert pair.prefill.stop() == 0, pair.prefill.tail()
     assert pair.decode.stop() == 0, pair.decode.tail()
+
+
+def test_the_vllm_bench_runs(tmp_path: Path) -> None:
+    """`kvxfer bench vllm` on the smallest sweep, so the command stays working (where NIXL is not
+    installed, as in CI, the table says how to install it instead of breaking the run)."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "vllm", "--connectors", "nixl", "kvxfer-cma",
+                        "--requests", "1", "--warmup", "1", "--prompt-tokens", "200", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["connector"] for row in rows][-1] == "kvxfer-cma"
+    assert rows[-1]["failed_transfers"] == 0 and rows[-1]["transfers_measured"] == 1
+    if importlib.util.find_spec("nixl") is None:
+        assert "pip install nixl" in r.stdout
