@@ -49,8 +49,16 @@ def test_wheel_maps_connectors_into_kvxfer(tmp_path: Path) -> None:
     assert "kvxfer/connectors/local/__init__.py" in names
     assert "kvxfer/cache/block_pool.py" in names
     assert not any(n.startswith(("connectors/", "tests/")) for n in names)
-    assert "[kvxfer.connectors]\nlocal = kvxfer.connectors.local:LocalDataPlane" in eps
-    assert "kvxfer = kvxfer.cli:main" in eps
+    import configparser
+
+    groups = configparser.ConfigParser()
+    groups.read_string(eps)
+    assert dict(groups["kvxfer.connectors"]) == {
+        "local": "kvxfer.connectors.local:LocalDataPlane", "tcp": "kvxfer.connectors.tcp:TcpDataPlane",
+        "ucx": "kvxfer.connectors.ucx:UcxDataPlane", "cma": "kvxfer.connectors.cma:CmaDataPlane"}
+    assert dict(groups["vllm.general_plugins"]) == {"kvxfer": "kvxfer.integrations:register_vllm"}
+    assert groups["console_scripts"]["kvxfer"] == "kvxfer.cli:main"
+    assert "kvxfer/integrations/vllm.py" in names and "kvxfer/connectors/cma/__init__.py" in names
 
     target = tmp_path / "site"
     out = subprocess.run(
