@@ -95,6 +95,28 @@ def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: 
     return None
 
 
+def check_read(table: RegionTable, validator: ReadValidator | None, request_id: str, regions: bytes,
+               offsets: bytes, lengths: bytes, allow_empty: bool = False) -> tuple[str | None, Descriptors]:
+    """The serving side's check of a read request's packed int64 arrays: why it must be refused
+    (malformed, out of bounds, or not allowed by ``validator``), or None; and its pieces as
+    Descriptors whose ``remote_*`` fields are this side's regions (empty when refused)."""
+    from kvxfer.protocol import MAX_READ_PIECES  # protocol depends on nothing here
+
+    arrays = [np.frombuffer(b, dtype="<i8").astype(np.int64) for b in (regions, offsets, lengths)]
+    n = len(arrays[0])
+    empty = Descriptors.from_rows([])
+    if any(len(a) != n for a in arrays) or n > MAX_READ_PIECES or (n == 0 and not allow_empty):
+        return "malformed read request", empty
+    if n and ((arrays[2] <= 0).any() or (arrays[1] < 0).any()):
+        return "lengths must be > 0 and offsets >= 0", empty
+    zeros = np.zeros(n, dtype=np.int64)
+    d = Descriptors(arrays[0], arrays[1], zeros, zeros, arrays[2])
+    why = check_bounds(table, d.remote_region, d.remote_offset, d.length)
+    if why is None and validator is not None:
+        why = validator(request_id, d)
+    return why, (empty if why else d)
+
+
 @dataclass(frozen=True)
 class BatchResult:
     """The outcome of one ``read`` batch: ``error`` is None on success."""

@@ -47,8 +47,9 @@ from kvxfer.dataplane import (
     ReadValidator,
     TokenChecker,
     check_bounds,
+    check_read,
 )
-from kvxfer.protocol import MAX_READ_PIECES, ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import ReadReply, ReadRequest, decode_data, encode
 
 logger = logging.getLogger(__name__)
 
@@ -284,23 +285,15 @@ class CmaDataPlane(HostRegionPlane):
             logger.warning("cma data plane refused peer %s: %s", peer, why)
 
     def _grant(self, req: ReadRequest, peer: str) -> ReadReply:
-        arrays = [np.frombuffer(b, dtype="<i8") for b in (req.regions, req.offsets, req.lengths)]
-        n = len(arrays[0])
         if self._token_checker is not None and not self._token_checker(req.token):
-            why = "no valid handshake token"
-        elif any(len(a) != n for a in arrays) or n > MAX_READ_PIECES or n == 0:
-            why = "malformed read request"
-        elif (arrays[2] <= 0).any() or (arrays[1] < 0).any():
-            why = "lengths must be > 0 and offsets >= 0"
+            why: str | None = "no valid handshake token"
+            nbytes = 0
         else:
-            regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
-            zeros = np.zeros(n, dtype=np.int64)
-            why = check_bounds(self._table, regions, offsets, lengths)
-            if why is None and self._validator is not None:
-                why = self._validator(req.request_id, Descriptors(regions, offsets, zeros, zeros, lengths))
+            why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
+            nbytes = d.nbytes
         if why:
             self._refuse_once(peer, f"read for {req.request_id}: {why}")
-        return ReadReply(batch_id=req.batch_id, nbytes=0 if why else int(arrays[2].sum()), error=why or "")
+        return ReadReply(batch_id=req.batch_id, nbytes=nbytes, error=why or "")
 
     # ------------------------------------------------------------------ both
     def poll(self) -> list[BatchResult]:

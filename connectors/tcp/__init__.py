@@ -37,8 +37,9 @@ from kvxfer.dataplane import (
     ReadValidator,
     TokenChecker,
     check_bounds,
+    check_read,
 )
-from kvxfer.protocol import MAX_READ_PIECES, DataHello, ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import DataHello, ReadReply, ReadRequest, decode_data, encode
 
 logger = logging.getLogger(__name__)
 
@@ -327,28 +328,16 @@ class TcpDataPlane(HostRegionPlane):
             conn.close()
 
     def _serve_read(self, conn: socket.socket, peer: str, req: ReadRequest) -> None:
-        arrays = [np.frombuffer(b, dtype="<i8") for b in (req.regions, req.offsets, req.lengths)]
-        n = len(arrays[0])
-        why = None
-        if any(len(a) != n for a in arrays) or n > MAX_READ_PIECES:
-            why = "malformed read request"
-        elif n and ((arrays[2] <= 0).any() or (arrays[1] < 0).any()):
-            why = "lengths must be > 0 and offsets >= 0"
-        else:
-            regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
-            zeros = np.zeros(n, dtype=np.int64)
-            d = Descriptors(regions, offsets, zeros, zeros, lengths)
-            why = check_bounds(self._table, regions, offsets, lengths)
-            if why is None and self._validator is not None:
-                why = self._validator(req.request_id, d)
+        why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths,
+                            allow_empty=True)
         if why is not None:
             self._refuse_once(peer, f"read for {req.request_id}: {why}")
             send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=0, error=why)))
             return
         views = self._views
-        pieces = [views[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
-                                                         strict=True)]
-        send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=int(lengths.sum()))))
+        pieces = [views[r][o : o + k] for r, o, k in zip(d.remote_region.tolist(), d.remote_offset.tolist(),
+                                                         d.length.tolist(), strict=True)]
+        send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)))
         send_pieces(conn, pieces)
 
     # ------------------------------------------------------------------ DataPlane

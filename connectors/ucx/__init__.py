@@ -58,8 +58,9 @@ from kvxfer.dataplane import (
     ReadValidator,
     TokenChecker,
     check_bounds,
+    check_read,
 )
-from kvxfer.protocol import MAX_READ_PIECES, ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import ReadReply, ReadRequest, decode_data, encode
 
 logger = logging.getLogger(__name__)
 
@@ -478,20 +479,9 @@ class UcxDataPlane(HostRegionPlane):
             self._refuse_once(peer, "read request from a consumer that never said hello (or was refused)")
             return
         tag = self.ucxx.types.Tag
-        arrays = [np.frombuffer(b, dtype="<i8") for b in (req.regions, req.offsets, req.lengths)]
-        n = len(arrays[0])
-        why = None
-        if any(len(a) != n for a in arrays) or n > MAX_READ_PIECES or n == 0:
-            why = "malformed read request"
-        elif (arrays[2] <= 0).any() or (arrays[1] < 0).any():
-            why = "lengths must be > 0 and offsets >= 0"
-        else:
-            regions, offsets, lengths = (a.astype(np.int64) for a in arrays)
-            zeros = np.zeros(n, dtype=np.int64)
-            why = check_bounds(self._table, regions, offsets, lengths)
-            if why is None and self._validator is not None:
-                why = self._validator(req.request_id, Descriptors(regions, offsets, zeros, zeros, lengths))
-        reply = ReadReply(batch_id=req.batch_id, nbytes=0 if why else int(arrays[2].sum()), error=why or "")
+        why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
+        regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
+        reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes, error=why or "")
         if why:
             self._refuse_once(peer, f"read for {req.request_id}: {why}")
         payload = encode(reply)
