@@ -54,3 +54,15 @@ def test_a_kvxfer_yaml_supplies_the_connector_section() -> None:
 def test_bad_settings_are_refused_by_name(extra: dict[str, Any], role: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         vllm_adapter.instance_config(vllm_config(extra, role), 64)
+
+
+def test_vllm_finds_the_connector_by_name_through_the_plugin_and_by_module_path() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does at start: runs kvxfer's entry point
+    by_name = KVConnectorFactory.get_connector_class(
+        SimpleNamespace(kv_connector="KvxferConnector", kv_connector_module_path=None))
+    by_path = KVConnectorFactory.get_connector_class(
+        SimpleNamespace(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm"))
+    assert by_name is by_path is vllm_adapter.KvxferConnector
