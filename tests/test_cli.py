@@ -32,7 +32,7 @@ def test_check_config_notes_a_connector_that_is_not_installed(tmp_path: Path) ->
     cfg.write_text("role: decode\nengine_id: d\nconnector: {name: nope}\n")
     r = kvxfer("check-config", str(cfg))
     assert r.returncode == 0, r.stderr
-    assert "connector.name 'nope' is not installed here (installed: local" in r.stdout
+    assert "connector.name 'nope' is not installed here (installed: cma, local, tcp" in r.stdout
 
 
 def test_check_config_refuses_with_field_path(tmp_path: Path) -> None:
