@@ -226,6 +226,23 @@ def test_other_prefill_weights_change_the_output_and_a_killed_prefill_is_recompu
         other.stop()
 
 
+@pytest.mark.parametrize("lie", [
+    {"bogus": 1},  # not kvxfer params at all
+    {"request_id": "x", "engine_id": "P", "num_tokens": 77, "block_ids": [10**9], "block_size": BLOCK,
+     "layout": {"tp_size": 1, "pp_size": 1, "num_layers": LAYERS, "num_kv_heads": KV_HEADS},
+     "ranks": [{"rank": 0, "host": "127.0.0.1", "port": 1, "generation": 1}], "lease_s": 1.0},  # nobody there
+])
+def test_lying_params_cost_a_recompute_not_a_wrong_answer(pair: Pair, lie: dict[str, object]) -> None:
+    prompt = prompts()[2]
+    ref = token_ids(local(pair.decode.url, prompt, MAX_TOKENS))
+    out = post(pair.decode.url + "/v1/completions",
+               {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True, "kv_transfer_params": {"do_remote_prefill": True, "kvxfer": lie}})
+    assert token_ids(out) == ref
+    assert pair.decode.proc.poll() is None, "the decode server stays up"
+    assert vllm_sample(pair.decode, "vllm:kv_cache_usage_perc") == 0.0
+
+
 def test_both_servers_shut_down_cleanly(pair: Pair) -> None:
     assert pair.prefill.stop() == 0, pair.prefill.tail()
     assert pair.decode.stop() == 0, pair.decode.tail()
