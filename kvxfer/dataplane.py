@@ -14,6 +14,7 @@ Contract for implementations:
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -224,8 +225,9 @@ def region_array(r: MemoryRegion) -> np.ndarray:
 
 
 class HostRegionPlane(DataPlane):
-    """Registration shared by data planes that move host memory: a zero-copy view per region
-    (numpy array and memoryview) and the region table used for bounds checks."""
+    """What data planes that move host memory share: a zero-copy view per region (numpy array
+    and memoryview), the region table used for bounds checks, the serving side's validator and
+    token checker, and the finished batches ``poll`` hands out."""
 
     def __init__(self, options: Mapping[str, DataPlaneValue] | None = None) -> None:
         super().__init__(options)
@@ -233,6 +235,32 @@ class HostRegionPlane(DataPlane):
         self._arrays: dict[int, np.ndarray] = {}
         self._views: dict[int, memoryview] = {}
         self._table = RegionTable(self._regions)
+        self._validator: ReadValidator | None = None
+        self._token_checker: TokenChecker | None = None
+        self._on_complete: Callable[[], None] | None = None
+        self._results: list[BatchResult] = []
+        self._results_lock = threading.Lock()
+
+    def set_read_validator(self, validator: ReadValidator) -> None:
+        self._validator = validator
+
+    def set_token_checker(self, checker: TokenChecker) -> None:
+        self._token_checker = checker
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:
+        self._on_complete = callback
+
+    def _finish(self, result: BatchResult) -> None:
+        """Report a batch (from any thread) and wake the waiter."""
+        with self._results_lock:
+            self._results.append(result)
+        if self._on_complete is not None:
+            self._on_complete()
+
+    def poll(self) -> list[BatchResult]:
+        with self._results_lock:
+            out, self._results = self._results, []
+        return out
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         for r in regions:

@@ -33,6 +33,7 @@ from kvxfer.integrations.vllm_pd import (
     disaggregated,
     free_port,
     local,
+    metric_totals,
     post,
     prefill,
     token_ids,
@@ -66,14 +67,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key.split("{")[0]] = out.get(key.split("{")[0], 0.0) + float(value)
-    return out
+    """kvxfer's metrics endpoint on ``port``, summed per metric name."""
+    return metric_totals(f"http://127.0.0.1:{port}/metrics")
 
 
 def vllm_sample(server: VllmServer, name: str, **labels: str) -> float:

@@ -30,7 +30,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,6 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
-    ReadValidator,
-    TokenChecker,
     check_bounds,
     check_read,
 )
@@ -114,13 +112,8 @@ class CmaDataPlane(HostRegionPlane):
         if self.timeout_s <= 0:
             raise ValueError(f"connector.data_plane.timeout_s: expected > 0, got {self.timeout_s}")
         self.engine_id = "kvxfer"
-        self._validator: ReadValidator | None = None
-        self._token_checker: TokenChecker | None = None
-        self._on_complete: Callable[[], None] | None = None
         self._peers: dict[str, _Peer] = {}
-        self._results: list[BatchResult] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
         self._names: dict[bytes, str] = {}  # control identity -> the engine id it said hello as
@@ -141,15 +134,6 @@ class CmaDataPlane(HostRegionPlane):
         regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(), control=self._ctrl_addr,
                                                  regions=regions))
-
-    def set_read_validator(self, validator: ReadValidator) -> None:
-        self._validator = validator
-
-    def set_token_checker(self, checker: TokenChecker) -> None:
-        self._token_checker = checker
-
-    def set_completion_callback(self, callback: Callable[[], None]) -> None:
-        self._on_complete = callback
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
@@ -186,12 +170,6 @@ class CmaDataPlane(HostRegionPlane):
         else:
             self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
         return batch_id
-
-    def _finish(self, res: BatchResult) -> None:
-        with self._lock:
-            self._results.append(res)
-        if self._on_complete is not None:
-            self._on_complete()
 
     def _run(self) -> None:
         """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads."""
@@ -296,11 +274,6 @@ class CmaDataPlane(HostRegionPlane):
         return ReadReply(batch_id=req.batch_id, nbytes=nbytes, error=why or "")
 
     # ------------------------------------------------------------------ both
-    def poll(self) -> list[BatchResult]:
-        with self._lock:
-            out, self._results = self._results, []
-        return out
-
     def close(self) -> None:
         if self._closed:
             return

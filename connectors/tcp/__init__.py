@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -34,8 +34,6 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
-    ReadValidator,
-    TokenChecker,
     check_bounds,
     check_read,
 )
@@ -249,14 +247,10 @@ class TcpDataPlane(HostRegionPlane):
         if self.timeout_s <= 0:
             raise ValueError(f"connector.data_plane.timeout_s: expected > 0, got {self.timeout_s}")
         self.engine_id = "kvxfer"  # the Connector sets its engine id; sent in each connection's hello
-        self._on_complete: Callable[[], None] | None = None
         self.host_id = _host_id()
-        self._validator: ReadValidator | None = None
-        self._token_checker: TokenChecker | None = None
         self._peers: dict[str, tuple[Address, bytes]] = {}
         self._streams: dict[str, list[_Stream]] = {}
         self._batches: dict[int, _Batch] = {}
-        self._results: list[BatchResult] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -362,12 +356,6 @@ class TcpDataPlane(HostRegionPlane):
         for s in streams:
             s.close()
 
-    def set_read_validator(self, validator: ReadValidator) -> None:
-        self._validator = validator
-
-    def set_token_checker(self, checker: TokenChecker) -> None:
-        self._token_checker = checker
-
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
         d = descriptors
@@ -377,10 +365,7 @@ class TcpDataPlane(HostRegionPlane):
         if why is None:
             why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
         if why is not None or len(d) == 0:
-            with self._lock:
-                self._results.append(BatchResult(batch_id, peer_id, request_id, 0, why))
-            if self._on_complete is not None:
-                self._on_complete()
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why))
             return batch_id
         assert streams is not None
         # Split by bytes into one contiguous share per stream, but only for big pieces: with
@@ -412,20 +397,10 @@ class TcpDataPlane(HostRegionPlane):
             if error and b.error is None:
                 b.error = error
             b.parts_left -= 1
-            if b.parts_left == 0:
-                del self._batches[job.batch_id]
-                self._results.append(BatchResult(b.batch_id, b.peer_id, b.request_id,
-                                                 b.nbytes if b.error is None else 0, b.error))
-        if self._on_complete is not None:
-            self._on_complete()
-
-    def set_completion_callback(self, callback: Callable[[], None]) -> None:
-        self._on_complete = callback
-
-    def poll(self) -> list[BatchResult]:
-        with self._lock:
-            out, self._results = self._results, []
-        return out
+            if b.parts_left:
+                return
+            del self._batches[job.batch_id]
+        self._finish(BatchResult(b.batch_id, b.peer_id, b.request_id, b.nbytes if b.error is None else 0, b.error))
 
     def close(self) -> None:
         if self._closed.is_set():

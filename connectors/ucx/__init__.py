@@ -42,7 +42,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -55,8 +55,6 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
-    ReadValidator,
-    TokenChecker,
     check_bounds,
     check_read,
 )
@@ -278,14 +276,9 @@ class UcxDataPlane(HostRegionPlane):
         self.ucxx = self.rt.ucxx
         self.plane_id = next(self.rt.plane_ids)
         self.engine_id = "kvxfer"
-        self._validator: ReadValidator | None = None
-        self._token_checker: TokenChecker | None = None
-        self._on_complete: Callable[[], None] | None = None
         self._peers: dict[str, Any] = {}  # peer id -> endpoint to it
         self._clients: dict[tuple[bytes, int], Any] = {}  # (worker, plane) -> endpoint back to a consumer
-        self._results: list[BatchResult] = []
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Future[None]] = set()
@@ -302,15 +295,6 @@ class UcxDataPlane(HostRegionPlane):
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:
         return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr))
-
-    def set_read_validator(self, validator: ReadValidator) -> None:
-        self._validator = validator
-
-    def set_token_checker(self, checker: TokenChecker) -> None:
-        self._token_checker = checker
-
-    def set_completion_callback(self, callback: Callable[[], None]) -> None:
-        self._on_complete = callback
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
@@ -359,12 +343,6 @@ class UcxDataPlane(HostRegionPlane):
             return batch_id
         self.rt.submit(self._read(peer_id, request_id, batch_id, d))
         return batch_id
-
-    def _finish(self, res: BatchResult) -> None:
-        with self._lock:
-            self._results.append(res)
-        if self._on_complete is not None:
-            self._on_complete()
 
     async def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
         ep = self._peers.get(peer_id)
@@ -509,11 +487,6 @@ class UcxDataPlane(HostRegionPlane):
             self._refuse_once(peer, f"send for {req.request_id} failed: {e}")
 
     # ------------------------------------------------------------------ both
-    def poll(self) -> list[BatchResult]:
-        with self._lock:
-            out, self._results = self._results, []
-        return out
-
     def close(self) -> None:
         if self._closed:
             return

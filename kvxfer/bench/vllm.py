@@ -29,25 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.engine.launcher import _pct
-from kvxfer.integrations.vllm_pd import VllmServer, completion_body, free_port, prefill
+from kvxfer.integrations.vllm_pd import VllmServer, completion_body, free_port, metric_totals, prefill
 from kvxfer.progress import Progress
 
 CONNECTORS = ("nixl", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
-
-
-def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            name = key.split("{")[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-    return out
 
 
 def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
@@ -89,7 +74,7 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
         before: dict[str, float] = {}
         for i, prompt in enumerate(prompts):
             if i == warmup:
-                before = _scrape(metrics_url)
+                before = metric_totals(metrics_url)
             t0 = time.perf_counter()
             params = prefill(p.url, prompt)
             t_prefill = time.perf_counter() - t0
@@ -98,7 +83,7 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
                 ttft.append((t_prefill + first) * 1e3)
                 e2e.append((t_prefill + total) * 1e3)
             bar.update(i + 1)
-        after = _scrape(metrics_url)
+        after = metric_totals(metrics_url)
         n = after.get(f"{hist}_count", 0) - before.get(f"{hist}_count", 0)
         xfer_ms = (after.get(f"{hist}_sum", 0) - before.get(f"{hist}_sum", 0)) / n * 1e3 if n else float("nan")
         failed_key = "kvxfer_loads_failed_total" if kind == "kvxfer" else "vllm:nixl_num_failed_transfers_total"

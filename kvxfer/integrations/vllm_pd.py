@@ -105,18 +105,8 @@ class VllmServer:
             return ""
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples, ``name{labels}`` -> value."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                try:
-                    out[key] = float(value)
-                except ValueError:
-                    continue
-        return out
+        """The server's Prometheus samples, ``name{labels}`` -> value."""
+        return prometheus_samples(self.url + "/metrics")
 
     def kill(self) -> None:
         """SIGKILL the whole server (API process and engine core): a crashed instance."""
@@ -139,6 +129,30 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return int(self.proc.returncode)
+
+
+def prometheus_samples(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples summed per metric name, over every label set."""
+    out: dict[str, float] = {}
+    for key, value in prometheus_samples(url).items():
+        name = key.split("{")[0]
+        out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def post(url: str, body: Mapping[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
