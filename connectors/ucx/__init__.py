@@ -24,6 +24,10 @@ pieces is sent piece by piece straight from and into the registered tensors.
 
 The UCX worker, its progress and every coroutine run on one thread and event loop owned
 by this module, shared by the planes of a process; the engine's thread never blocks on UCX.
+Replies arrive on a second worker per plane (its receive worker), renewed when a peer is
+dropped with replies in flight: a producer killed while writing into a worker's
+shared-memory FIFO can leave a slot claimed and never filled, and every later sender then
+waits behind it (before the renewal, the next load timed out in 9 of 12 kill tests).
 
 Options (``connector.data_plane``): ``progress_mode`` (blocking, polling, thread),
 ``tls`` (UCX_TLS pass-through), ``staging_threshold`` (bytes, default 262144),
