@@ -24,10 +24,6 @@ pieces is sent piece by piece straight from and into the registered tensors.
 
 The UCX worker, its progress and every coroutine run on one thread and event loop owned
 by this module, shared by the planes of a process; the engine's thread never blocks on UCX.
-Replies arrive on a second worker per plane (its receive worker), renewed when a peer is
-dropped with replies in flight: a producer killed while writing into a worker's
-shared-memory FIFO can leave a slot claimed and never filled, and every later sender then
-waits behind it (before the renewal, the next load timed out in 9 of 12 kill tests).
 
 Options (``connector.data_plane``): ``progress_mode`` (blocking, polling, thread),
 ``tls`` (UCX_TLS pass-through), ``staging_threshold`` (bytes, default 262144),
@@ -48,7 +44,6 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -92,25 +87,12 @@ class UcxAddress(msgspec.Struct, frozen=True):
 
 
 class _Hello(msgspec.Struct, frozen=True):
-    """A consumer's hello: where the producer sends replies (its receive worker and plane)."""
+    """Carried inside a DataHello's engine id field is not enough: the reply path needs this."""
 
     worker: bytes
     plane: int
     engine_id: str
     token: bytes
-    session: bytes = b""  # random per consumer plane: a hello from a new receive worker replaces the old
-
-
-@dataclass
-class _Peer:
-    """A producer this plane reads from, as seen from one receive worker."""
-
-    address: UcxAddress
-    token: bytes
-    dealer: Any  # ZMQ DEALER to its control socket (loop thread only)
-    endpoint: Any  # on the receive worker below
-    worker: bytes  # the receive worker's address, where the producer replies
-    reading: int = 0  # reads in flight on this endpoint
 
 
 IDLE_TICK_S = 0.005
@@ -148,8 +130,6 @@ class _Runtime:
         self.progress_mode = progress_mode
         self.transfers = 0  # in flight; set before the loop thread's idle tick reads it
         self._spinner: asyncio.Future[None] | None = None
-        self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
-        self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
@@ -161,10 +141,10 @@ class _Runtime:
         asyncio.set_event_loop(self.loop)
         try:
             self.ucxx.init(progress_mode=self.progress_mode)
-            self.own_progress = self.progress_mode == "blocking" and _own_progress(self.loop)
-            if not self.own_progress:
+            if self.progress_mode == "blocking" and _own_progress(self.loop):
+                self.loop.create_task(self._tick())
+            else:
                 self.ucxx.continuous_ucx_progress(event_loop=self.loop)
-            self.loop.create_task(self._tick())
             self.address = bytes(self.ucxx.get_worker_address())
         except Exception as e:
             ready.set_exception(e)
@@ -184,37 +164,6 @@ class _Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def new_receive_worker(self) -> Any:
-        """A UCX worker of its own, on the process's UCX context, for one plane's reads (loop thread).
-
-        Why: a producer killed while writing into a worker's shared-memory FIFO can leave a
-        slot claimed and never filled, and every later sender to that worker then waits
-        behind it. A plane that loses a peer mid-read swaps its receive worker for a fresh
-        one (UcxDataPlane._renew_receive_worker); the process's main worker, which sends,
-        is not touched. It is an ApplicationContext without its own UCX context, notifier
-        thread or progress task, because ucxx's endpoints insist on one; kvxfer progresses it.
-        """
-        from ucxx._lib import libucxx
-        from ucxx._lib_async.application_context import ApplicationContext
-
-        main = self.ucxx.core._get_ctx()
-        ctx = ApplicationContext.__new__(ApplicationContext)
-        ctx.notifier_thread_q = ctx.notifier_thread = None
-        ctx.progress_mode = self.progress_mode
-        ctx.enable_delayed_submission = False
-        ctx.enable_python_future = False
-        ctx.connect_timeout = main.connect_timeout
-        ctx.context = main.context
-        ctx.worker = libucxx.UCXWorker(main.context, enable_delayed_submission=False, enable_python_future=False)
-        self.receive_workers.add(ctx.worker)
-        return ctx
-
-    def release_receive_worker(self, ctx: Any, endpoints: list[Any]) -> None:
-        """Abort what is left on a receive worker and stop progressing it (loop thread)."""
-        for ep in endpoints:
-            ep.abort()
-        self.receive_workers.discard(ctx.worker)
 
     @contextlib.asynccontextmanager
     async def active(self) -> AsyncIterator[None]:
@@ -239,19 +188,13 @@ class _Runtime:
         long as the process lives (measured: 100% of a core on both sides after one load)."""
         while True:
             if self.transfers == 0:
-                self._progress()
+                self.ucxx.progress()
             await asyncio.sleep(IDLE_TICK_S)
 
     async def _spin(self) -> None:
         while self.transfers > 0:
-            self._progress()
-            await asyncio.sleep(0)
-
-    def _progress(self) -> None:
-        if self.own_progress:
             self.ucxx.progress()
-        for worker in tuple(self.receive_workers):
-            worker.progress()
+            await asyncio.sleep(0)
 
 
 def gather_pieces(arrays: Mapping[int, np.ndarray], regions: np.ndarray, offsets: np.ndarray,
@@ -333,11 +276,8 @@ class UcxDataPlane(HostRegionPlane):
         self.ucxx = self.rt.ucxx
         self.plane_id = next(self.rt.plane_ids)
         self.engine_id = "kvxfer"
-        self._session = os.urandom(16)
-        self._peers: dict[str, _Peer] = {}  # (loop thread only)
-        self._receiver: Any = None  # this plane's receive worker, made on the first connect (loop thread only)
+        self._peers: dict[str, Any] = {}  # peer id -> endpoint to it
         self._clients: dict[tuple[bytes, int], Any] = {}  # (worker, plane) -> endpoint back to a consumer
-        self._sessions: dict[bytes, tuple[bytes, int]] = {}  # consumer session -> its current (worker, plane)
         self._ids = itertools.count(1)
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
@@ -348,6 +288,7 @@ class UcxDataPlane(HostRegionPlane):
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         host = str(o.get("host", "127.0.0.1"))
         self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
+        self._dealers: dict[str, Any] = {}  # peer id -> DEALER to its control socket (loop thread only)
         self._ctrl_thread = threading.Thread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
         self._ctrl_thread.start()
 
@@ -366,56 +307,30 @@ class UcxDataPlane(HostRegionPlane):
         self.rt.submit(self._connect(peer_id, addr, token)).result(timeout=self.timeout_s)
 
     async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes) -> None:
-        if self._receiver is None:
-            self._receiver = self.rt.new_receive_worker()
+        ucxx = self.ucxx
+        ep = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
+                                                           endpoint_error_handling=False)
+        hello = msgspec.msgpack.encode(_Hello(worker=self.rt.address, plane=self.plane_id,
+                                              engine_id=self.engine_id, token=token))
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(addr.control)
-        self._peers[peer_id] = await self._hello(addr, token, dealer)
-
-    async def _hello(self, addr: UcxAddress, token: bytes, dealer: Any) -> _Peer:
-        """An endpoint from the receive worker to the producer, and a hello that tells it where to reply."""
-        ucxx = self.ucxx
-        ep = await self._receiver.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
-                                                                      endpoint_error_handling=False)
-        worker = bytes(self._receiver.worker_address)
-        dealer.send(b"H" + msgspec.msgpack.encode(_Hello(worker=worker, plane=self.plane_id, engine_id=self.engine_id,
-                                                         token=token, session=self._session)))
-        return _Peer(addr, token, dealer, ep, worker)
+        dealer.send(b"H" + hello)
+        self._peers[peer_id] = ep
+        self._dealers[peer_id] = dealer
 
     def disconnect(self, peer_id: str) -> None:
         if peer_id in self._peers:
             self.rt.submit(self._drop(peer_id)).result(timeout=10)
 
     async def _drop(self, peer_id: str) -> None:
-        """Abort the endpoint (cancelling receives posted on it) and close the control socket. A
-        peer dropped with replies in flight may have died writing into the receive worker's
-        shared-memory FIFO and wedged it, so the receive worker is renewed."""
-        peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        peer.endpoint.abort()
-        peer.dealer.close(linger=0)
-        if peer.reading:
-            await self._renew_receive_worker(f"peer {peer_id} dropped with {peer.reading} read(s) in flight")
-
-    async def _renew_receive_worker(self, why: str) -> None:
-        """Move every peer to a fresh receive worker. Reads in flight on the old one go on (their
-        producers reply to the old worker until they see the new hello); the old worker is
-        released once their deadline has passed."""
-        old, old_peers = self._receiver, dict(self._peers)
-        self._receiver = self.rt.new_receive_worker()
-        logger.warning("ucx plane %d: new receive worker (%s); %d peer(s) moved", self.plane_id, why, len(old_peers))
-        for peer_id, peer in old_peers.items():
-            try:
-                self._peers[peer_id] = await self._hello(peer.address, peer.token, peer.dealer)
-            except Exception as e:  # this peer reconnects on its next handshake
-                logger.warning("ucx plane %d: peer %s not moved to the new receive worker: %s", self.plane_id,
-                               peer_id, e)
-                del self._peers[peer_id]
-                peer.dealer.close(linger=0)
-        self.rt.loop.call_later(self.timeout_s + 1.0, self.rt.release_receive_worker, old,
-                                [p.endpoint for p in old_peers.values()])
+        """Abort the endpoint (cancelling receives posted on it) and close the control socket."""
+        ep = self._peers.pop(peer_id, None)
+        dealer = self._dealers.pop(peer_id, None)
+        if ep is not None:
+            ep.abort()
+        if dealer is not None:
+            dealer.close(linger=0)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
@@ -430,14 +345,9 @@ class UcxDataPlane(HostRegionPlane):
         return batch_id
 
     async def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
-        peer = self._peers.get(peer_id)
-        if peer is None:  # dropped since read() looked
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id} is not connected"))
-            return
-        ep = peer.endpoint
+        ep = self._peers.get(peer_id)
         staged = d.nbytes / len(d) < self.staging_threshold
         tag = self.ucxx.types.Tag
-        peer.reading += 1
         try:
             header = np.empty(HEADER_BYTES, dtype=np.uint8)
             hdr = asyncio.ensure_future(ep.recv(header, tag=tag(_tag(self.plane_id, KIND_HEADER, batch_id)),
@@ -445,24 +355,19 @@ class UcxDataPlane(HostRegionPlane):
             data_tag = tag(_tag(self.plane_id, KIND_DATA, batch_id))
             req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
-                              token=msgspec.msgpack.encode([peer.worker, self.plane_id,
+                              token=msgspec.msgpack.encode([self.rt.address, self.plane_id,
                                                             self.chunk_bytes if staged else 0]))
-            peer.dealer.send(b"R" + encode(req))
+            self._dealers[peer_id].send(b"R" + encode(req))
             async with self.rt.active():
                 await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
             self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
         except TimeoutError:
             # cancel what is still posted before anyone may reuse the destination blocks
-            if self._peers.get(peer_id) is peer:
-                await self._drop(peer_id)
-            else:  # an endpoint on a receive worker already renewed (or a peer already dropped)
-                ep.abort()
+            await self._drop(peer_id)
             self._finish(BatchResult(batch_id, peer_id, request_id, 0,
                                      f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
         except Exception as e:
             self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: {type(e).__name__}: {e}"))
-        finally:
-            peer.reading -= 1
 
     async def _receive(self, ep: Any, hdr: Any, header: np.ndarray, data_tag: Any, d: Descriptors,
                        staged: bool) -> None:
@@ -531,20 +436,10 @@ class UcxDataPlane(HostRegionPlane):
         old = self._clients.pop(key, None)
         if old is not None:  # the consumer connected again: it dropped its end after a failure
             old.abort()
-        previous = self._sessions.get(hello.session) if hello.session else None
-        if previous is not None and previous != key:
-            # the consumer renewed its receive worker; sends already under way to the old one
-            # finish or fail within its deadline, after which the old endpoint goes
-            stale = self._clients.pop(previous, None)
-            self._client_names.pop(previous, None)
-            if stale is not None:
-                self.rt.loop.call_later(self.timeout_s + 1.0, stale.abort)
         ucxx = self.ucxx
         self._clients[key] = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
         self._client_names[key] = hello.engine_id
-        if hello.session:
-            self._sessions[hello.session] = key
 
     async def _serve(self, req: ReadRequest) -> None:
         async with self.rt.active():
@@ -604,9 +499,6 @@ class UcxDataPlane(HostRegionPlane):
             for ep in self._clients.values():
                 ep.abort()
             self._clients.clear()
-            if self._receiver is not None:
-                self.rt.release_receive_worker(self._receiver, [])
-                self._receiver = None
 
         try:
             self.rt.submit(shutdown()).result(timeout=10)
