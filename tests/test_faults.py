@@ -208,7 +208,13 @@ def test_producer_killed_after_the_read(conn: str) -> None:
         cons.stop()
 
 
-def test_producer_stalled_past_the_timeout_then_resumed(conn: str) -> None:
+def test_producer_stalled_past_the_timeout_then_resumed(conn: str, request: pytest.FixtureRequest) -> None:
+    if conn == "ucx":
+        # Known and open: with error handling off, ucxx closes the endpoint to the stopped producer
+        # by a flush that waits for it, on kvxfer's UCX loop thread; the consumer's disconnect then
+        # times out and its thread ends ('hung'). Seen in CI and in 4 runs of 8 over UCX's tcp.
+        why = "ucx: closing an endpoint to a stopped peer blocks (issue 8, open)"
+        request.applymarker(pytest.mark.xfail(reason=why, strict=False))
     pcfg, dcfg = cfgs(conn, big=True)
     cons = ConsumerProc(dcfg)
     try:
