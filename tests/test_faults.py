@@ -140,6 +140,15 @@ def test_producer_killed_before_the_read(conn: str) -> None:
         cons.stop()
 
 
+def kill_producer_mid_read(cons: ConsumerProc, pcfg: Any) -> tuple[str, list[int], str, float]:
+    """Start a 256 MiB load, SIGKILL its producer once the first bytes have landed, and return the result."""
+    with Producers(pcfg, [("big", list(range(BIG // 16)), BIG)], fill_mode="ones") as prod:
+        cons.send_load(prod.params["big"], verify=False, announce=True)
+        cons.wait_writing()
+        os.kill(prod.procs[0][0].pid, signal.SIGKILL)
+        return cons.result()
+
+
 WEDGE = "ucx shm FIFO wedged by a peer killed mid-write (issue 8, open)"
 
 
@@ -153,11 +162,7 @@ def test_producer_killed_during_the_read(conn: str, request: pytest.FixtureReque
     pcfg, dcfg = cfgs(conn, big=True)
     cons = ConsumerProc(dcfg)
     try:
-        with Producers(pcfg, [("big", list(range(BIG // 16)), BIG)], fill_mode="ones") as prod:
-            cons.send_load(prod.params["big"], verify=False, announce=True)
-            cons.wait_writing()
-            os.kill(prod.procs[0][0].pid, signal.SIGKILL)
-            status, invalid, why, elapsed = cons.result()
+        status, invalid, why, elapsed = kill_producer_mid_read(cons, pcfg)
         assert status in ("failed", "ok"), (status, why)  # "ok" only if all bytes beat the kill
         if status == "failed":
             assert len(invalid) == BIG // 16 and elapsed < TRANSFER_S + 3.0, (elapsed, why)
@@ -179,11 +184,7 @@ def test_a_producer_killed_mid_read_leaves_the_others_connected(conn: str, reque
     try:
         with Producers(qcfg, [("q1", BLOCKS, NTOK)]) as other:
             assert cons.load(other.params["q1"])[0] == "ok"
-            with Producers(pcfg, [("big", list(range(BIG // 16)), BIG)], fill_mode="ones") as prod:
-                cons.send_load(prod.params["big"], verify=False, announce=True)
-                cons.wait_writing()
-                os.kill(prod.procs[0][0].pid, signal.SIGKILL)
-                status, _, why, _ = cons.result()
+            status, _, why, _ = kill_producer_mid_read(cons, pcfg)
             assert status in ("failed", "ok"), (status, why)
             handshakes = cons.stats()["handshakes"]
             res = cons.load(hold(other, "q2", list(range(16)), 200), verify=False)  # held now: leases are 3 s
