@@ -136,6 +136,17 @@ def block_bytes(dtype: str) -> int:
     return LAYERS * KV_HEADS * 2 * BLOCK * HEAD * (2 if dtype == "bfloat16" else 4)
 
 
+def log_problems(logs: Path) -> str:
+    """The servers' last warnings and errors, for a failure message (CI keeps no temp dirs)."""
+    out = []
+    for name in ("prefill.log", "decode.log"):
+        f = logs / name
+        if f.exists():
+            out += [f"{name}: {ln.strip()}" for ln in f.read_text(errors="replace").splitlines()
+                    if " WARNING " in ln or " ERROR " in ln][-15:]
+    return "\n".join(out) or "(no warning or error in the server logs)"
+
+
 def test_decode_equals_its_own_local_computation(pair: Pair) -> None:
     d0, v0 = scrape(pair.d_metrics), vllm_sample(pair.decode, "vllm:prompt_tokens_by_source_total",
                                                  source="external_kv_transfer")
@@ -144,10 +155,12 @@ def test_decode_equals_its_own_local_computation(pair: Pair) -> None:
         got = token_ids(disaggregated(pair.prefill.url, pair.decode.url, prompt, MAX_TOKENS))
         assert got == ref, f"{len(prompt)}-token prompt: decode after transfer differs from local"
     d1 = scrape(pair.d_metrics)
+    assert d1["kvxfer_loads_failed_total"] - d0.get("kvxfer_loads_failed_total", 0) == 0, log_problems(pair.logs)
+    assert d1["kvxfer_loads_ok_total"] - d0.get("kvxfer_loads_ok_total", 0) == len(PROMPT_LENS), \
+        log_problems(pair.logs)
     external = vllm_sample(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - v0
-    assert external == sum(PROMPT_LENS), "vLLM counts every prompt token as loaded from outside"
-    assert d1["kvxfer_loads_ok_total"] - d0.get("kvxfer_loads_ok_total", 0) == len(PROMPT_LENS)
-    assert d1["kvxfer_loads_failed_total"] - d0.get("kvxfer_loads_failed_total", 0) == 0
+    assert external == sum(PROMPT_LENS), \
+        f"vLLM counts every prompt token as loaded from outside\n{log_problems(pair.logs)}"
     blocks = sum(math.ceil(n / BLOCK) for n in PROMPT_LENS)
     assert d1["kvxfer_bytes_received_total"] - d0.get("kvxfer_bytes_received_total", 0) == \
         blocks * block_bytes(pair.dtype), "exactly the prompts' blocks crossed"

@@ -6,8 +6,8 @@ peer's worker address (exchanged in the kvxfer handshake) with UCX error handlin
 and the worker progressed in ``blocking`` mode from an event loop (one 512 MiB message:
 12-17 GB/s, against 0.8-1.5 GB/s through a listener, where UCX turns error handling on
 and falls back to tcp). With error handling off UCX does not report a dead peer, so
-every read has its own deadline; a read that misses it aborts its endpoint, which
-cancels the receives posted on it before the batch is reported failed.
+every read, and every reply a producer sends, has its own deadline; endpoints are closed
+without waiting for the peer (close_now).
 
 A read is two-sided: the consumer posts receives, then sends a read request to the
 producer's control socket (ZMQ; hellos travel there too); the producer checks it
@@ -24,6 +24,13 @@ pieces is sent piece by piece straight from and into the registered tensors.
 
 The UCX worker, its progress and every coroutine run on one thread and event loop owned
 by this module, shared by the planes of a process; the engine's thread never blocks on UCX.
+Replies arrive on a second worker per plane (its receive worker). When a read misses its
+deadline, that worker is retired: never progressed again, so no byte of a late reply can
+land in blocks given back after the failure, and its other reads fail at once. The plane's
+producers are told (a new hello) to reply to a fresh worker. Retiring, not reusing, also
+cures a wedge: a producer killed while writing into a worker's shared-memory FIFO can leave
+a slot claimed and never filled, and every later sender then waits behind it (before the
+renewal, the next load timed out in 9 of 12 kill tests).
 
 Options (``connector.data_plane``): ``progress_mode`` (blocking, polling, thread),
 ``tls`` (UCX_TLS pass-through), ``staging_threshold`` (bytes, default 262144),
@@ -44,6 +51,7 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -87,12 +95,53 @@ class UcxAddress(msgspec.Struct, frozen=True):
 
 
 class _Hello(msgspec.Struct, frozen=True):
-    """Carried inside a DataHello's engine id field is not enough: the reply path needs this."""
+    """A consumer's hello: where the producer sends replies (its receive worker and plane)."""
 
     worker: bytes
     plane: int
     engine_id: str
     token: bytes
+    session: bytes = b""  # random per consumer plane: a hello from a new receive worker replaces the old
+
+
+@dataclass
+class _Receiver:
+    """One plane's receive worker, where its producers send replies, and the reads waiting on it."""
+
+    ctx: Any  # an ApplicationContext around the worker (_Runtime.new_receive_worker)
+    address: bytes  # the worker's UCX address, sent to producers in hellos
+    reads: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+@dataclass
+class _Peer:
+    """A producer this plane reads from, as seen from one receive worker."""
+
+    address: UcxAddress
+    token: bytes
+    dealer: Any  # ZMQ DEALER to its control socket (loop thread only)
+    endpoint: Any  # on the receiver's worker
+    receiver: _Receiver
+    reading: int = 0  # reads in flight on this endpoint
+
+
+def close_now(ep: Any) -> None:
+    """Close a ucxx endpoint without waiting for its peer (loop thread).
+
+    ucxx's ``Endpoint.abort()``, with error handling off, closes in flush mode and, with no
+    progress thread, progresses the worker until the flush completes, whatever its time
+    limit: to a stopped (SIGSTOP) peer that is forever, on the thread that runs every
+    transfer (seen in the stall test). The low-level close submits the close and returns, and
+    marks the endpoint closing, so ucxx's finalizer does not wait either.
+    """
+    raw, ep._ep, ep._ctx = ep._ep, None, None
+    if raw is None:
+        return
+    try:
+        raw.close()
+        raw.remove_close_callback()
+    except Exception as e:  # already closed by UCX
+        logger.debug("ucx endpoint close: %s", e)
 
 
 IDLE_TICK_S = 0.005
@@ -130,6 +179,9 @@ class _Runtime:
         self.progress_mode = progress_mode
         self.transfers = 0  # in flight; set before the loop thread's idle tick reads it
         self._spinner: asyncio.Future[None] | None = None
+        self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
+        self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
+        self._retired: list[Any] = []  # receive workers no longer progressed, kept until their reads unwound
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
@@ -141,10 +193,10 @@ class _Runtime:
         asyncio.set_event_loop(self.loop)
         try:
             self.ucxx.init(progress_mode=self.progress_mode)
-            if self.progress_mode == "blocking" and _own_progress(self.loop):
-                self.loop.create_task(self._tick())
-            else:
+            self.own_progress = self.progress_mode == "blocking" and _own_progress(self.loop)
+            if not self.own_progress:
                 self.ucxx.continuous_ucx_progress(event_loop=self.loop)
+            self.loop.create_task(self._tick())
             self.address = bytes(self.ucxx.get_worker_address())
         except Exception as e:
             ready.set_exception(e)
@@ -164,6 +216,50 @@ class _Runtime:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def new_receive_worker(self) -> Any:
+        """A UCX worker of its own, on the process's UCX context, for one plane's reads (loop thread).
+
+        Why: a producer killed while writing into a worker's shared-memory FIFO can leave a
+        slot claimed and never filled, and every later sender to that worker then waits
+        behind it. A plane that loses a peer mid-read swaps its receive worker for a fresh
+        one (UcxDataPlane._renew_receive_worker); the process's main worker, which sends,
+        is not touched. It is an ApplicationContext without its own UCX context, notifier
+        thread or progress task, because ucxx's endpoints insist on one; kvxfer progresses it.
+        """
+        from ucxx._lib import libucxx
+        from ucxx._lib_async.application_context import ApplicationContext
+
+        main = self.ucxx.core._get_ctx()
+        ctx = ApplicationContext.__new__(ApplicationContext)
+        ctx.notifier_thread_q = ctx.notifier_thread = None
+        ctx.progress_mode = self.progress_mode
+        ctx.enable_delayed_submission = False
+        ctx.enable_python_future = False
+        ctx.connect_timeout = main.connect_timeout
+        ctx.context = main.context
+        ctx.worker = libucxx.UCXWorker(main.context, enable_delayed_submission=False, enable_python_future=False)
+        self.receive_workers.add(ctx.worker)
+        return ctx
+
+    def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float) -> None:
+        """Stop progressing a receive worker for good and close its endpoints (loop thread).
+
+        Why stop at once: with shared memory and tcp a reply's bytes land only while the
+        receiving worker is progressed, so once this returns nothing a late or half-dead
+        producer still sends can reach blocks given back afterwards (RDMA puts from the
+        sender are the exception: SECURITY.md). The worker is freed ``keep_s`` later, once
+        the reads cancelled on it have unwound.
+        """
+        self.receive_workers.discard(ctx.worker)
+        for ep in endpoints:
+            close_now(ep)
+        try:
+            ctx.worker.cancel_inflight_requests(period=0, max_attempts=1)
+        except Exception as e:
+            logger.debug("ucx: cancelling requests on a retired receive worker: %s", e)
+        self._retired.append(ctx)
+        self.loop.call_later(keep_s, self._retired.remove, ctx)
 
     @contextlib.asynccontextmanager
     async def active(self) -> AsyncIterator[None]:
@@ -188,13 +284,19 @@ class _Runtime:
         long as the process lives (measured: 100% of a core on both sides after one load)."""
         while True:
             if self.transfers == 0:
-                self.ucxx.progress()
+                self._progress()
             await asyncio.sleep(IDLE_TICK_S)
 
     async def _spin(self) -> None:
         while self.transfers > 0:
-            self.ucxx.progress()
+            self._progress()
             await asyncio.sleep(0)
+
+    def _progress(self) -> None:
+        if self.own_progress:
+            self.ucxx.progress()
+        for worker in tuple(self.receive_workers):
+            worker.progress()
 
 
 def gather_pieces(arrays: Mapping[int, np.ndarray], regions: np.ndarray, offsets: np.ndarray,
@@ -276,8 +378,11 @@ class UcxDataPlane(HostRegionPlane):
         self.ucxx = self.rt.ucxx
         self.plane_id = next(self.rt.plane_ids)
         self.engine_id = "kvxfer"
-        self._peers: dict[str, Any] = {}  # peer id -> endpoint to it
+        self._session = os.urandom(16)
+        self._peers: dict[str, _Peer] = {}  # (loop thread only)
+        self._receiver: _Receiver | None = None  # made on the first connect (loop thread only)
         self._clients: dict[tuple[bytes, int], Any] = {}  # (worker, plane) -> endpoint back to a consumer
+        self._sessions: dict[bytes, tuple[bytes, int]] = {}  # consumer session -> its current (worker, plane)
         self._ids = itertools.count(1)
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
@@ -288,7 +393,6 @@ class UcxDataPlane(HostRegionPlane):
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         host = str(o.get("host", "127.0.0.1"))
         self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
-        self._dealers: dict[str, Any] = {}  # peer id -> DEALER to its control socket (loop thread only)
         self._ctrl_thread = threading.Thread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
         self._ctrl_thread.start()
 
@@ -307,30 +411,76 @@ class UcxDataPlane(HostRegionPlane):
         self.rt.submit(self._connect(peer_id, addr, token)).result(timeout=self.timeout_s)
 
     async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes) -> None:
-        ucxx = self.ucxx
-        ep = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
-                                                           endpoint_error_handling=False)
-        hello = msgspec.msgpack.encode(_Hello(worker=self.rt.address, plane=self.plane_id,
-                                              engine_id=self.engine_id, token=token))
+        if self._receiver is None:
+            self._receiver = self._new_receiver()
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(addr.control)
-        dealer.send(b"H" + hello)
-        self._peers[peer_id] = ep
-        self._dealers[peer_id] = dealer
+        try:
+            self._peers[peer_id] = await self._hello(addr, token, dealer, self._receiver)
+        except BaseException:
+            dealer.close(linger=0)
+            raise
+
+    def _new_receiver(self) -> _Receiver:
+        ctx = self.rt.new_receive_worker()
+        return _Receiver(ctx, bytes(ctx.worker_address))
+
+    async def _hello(self, addr: UcxAddress, token: bytes, dealer: Any, receiver: _Receiver) -> _Peer:
+        """An endpoint from the receive worker to the producer, and a hello that tells it where to reply."""
+        ucxx = self.ucxx
+        ep = await receiver.ctx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
+                                                                    endpoint_error_handling=False)
+        dealer.send(b"H" + msgspec.msgpack.encode(_Hello(worker=receiver.address, plane=self.plane_id,
+                                                         engine_id=self.engine_id, token=token,
+                                                         session=self._session)))
+        return _Peer(addr, token, dealer, ep, receiver)
 
     def disconnect(self, peer_id: str) -> None:
-        if peer_id in self._peers:
+        if peer_id not in self._peers:
+            return
+        try:
             self.rt.submit(self._drop(peer_id)).result(timeout=10)
+        except Exception as e:  # the caller goes on either way: the peer is no longer used
+            logger.warning("ucx plane %d: dropping peer %s: %s: %s", self.plane_id, peer_id, type(e).__name__, e)
 
     async def _drop(self, peer_id: str) -> None:
-        """Abort the endpoint (cancelling receives posted on it) and close the control socket."""
-        ep = self._peers.pop(peer_id, None)
-        dealer = self._dealers.pop(peer_id, None)
-        if ep is not None:
-            ep.abort()
-        if dealer is not None:
-            dealer.close(linger=0)
+        """Close the endpoint and the control socket without waiting for the peer. A peer
+        dropped with reads in flight may be stopped with a reply half sent, or have died
+        writing into the receive worker's shared-memory FIFO and wedged it, so that worker
+        is retired and every other peer moves to a fresh one (_renew_receiver)."""
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return
+        peer.dealer.close(linger=0)
+        if peer.reading and peer.receiver is self._receiver:
+            await self._renew_receiver(peer, f"peer {peer_id} dropped with {peer.reading} read(s) in flight")
+        else:
+            close_now(peer.endpoint)
+
+    async def _renew_receiver(self, dropped: _Peer, why: str) -> None:
+        """Retire the receive worker (no more progress: nothing more lands in the blocks of the
+        reads on it, which fail now) and hello every other peer from a fresh one."""
+        old, moving = dropped.receiver, dict(self._peers)
+        self._receiver = self._new_receiver()
+        self.rt.retire_receive_worker(old.ctx, [dropped.endpoint] + [p.endpoint for p in moving.values()],
+                                      keep_s=self.timeout_s + 1.0)
+        current = asyncio.current_task()
+        cancelled = [t for t in old.reads if t is not current and not t.done()]
+        for task in cancelled:
+            task.cancel()
+        logger.warning("ucx plane %d: new receive worker (%s); %d other read(s) failed, %d peer(s) moved",
+                       self.plane_id, why, len(cancelled), len(moving))
+        for peer_id, peer in moving.items():
+            if self._peers.get(peer_id) is not peer:  # dropped meanwhile
+                continue
+            try:
+                self._peers[peer_id] = await self._hello(peer.address, peer.token, peer.dealer, self._receiver)
+            except Exception as e:  # this peer reconnects on its next handshake
+                logger.warning("ucx plane %d: peer %s not moved to the new receive worker: %s", self.plane_id,
+                               peer_id, e)
+                del self._peers[peer_id]
+                peer.dealer.close(linger=0)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
@@ -345,9 +495,17 @@ class UcxDataPlane(HostRegionPlane):
         return batch_id
 
     async def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
-        ep = self._peers.get(peer_id)
+        peer = self._peers.get(peer_id)
+        if peer is None:  # dropped since read() looked
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id} is not connected"))
+            return
+        ep, receiver = peer.endpoint, peer.receiver
         staged = d.nbytes / len(d) < self.staging_threshold
         tag = self.ucxx.types.Tag
+        task = asyncio.current_task()
+        assert task is not None
+        receiver.reads.add(task)
+        peer.reading += 1
         try:
             header = np.empty(HEADER_BYTES, dtype=np.uint8)
             hdr = asyncio.ensure_future(ep.recv(header, tag=tag(_tag(self.plane_id, KIND_HEADER, batch_id)),
@@ -355,19 +513,26 @@ class UcxDataPlane(HostRegionPlane):
             data_tag = tag(_tag(self.plane_id, KIND_DATA, batch_id))
             req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
-                              token=msgspec.msgpack.encode([self.rt.address, self.plane_id,
+                              token=msgspec.msgpack.encode([receiver.address, self.plane_id,
                                                             self.chunk_bytes if staged else 0]))
-            self._dealers[peer_id].send(b"R" + encode(req))
+            peer.dealer.send(b"R" + encode(req))
             async with self.rt.active():
                 await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
             self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
         except TimeoutError:
-            # cancel what is still posted before anyone may reuse the destination blocks
-            await self._drop(peer_id)
+            # the receive worker stops before anyone may reuse the destination blocks
+            if self._peers.get(peer_id) is peer:
+                await self._drop(peer_id)
             self._finish(BatchResult(batch_id, peer_id, request_id, 0,
                                      f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
+        except asyncio.CancelledError:  # by _renew_receiver: another peer was dropped mid-read
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: read cancelled: its "
+                                     "receive worker was retired when another peer was dropped mid-read"))
         except Exception as e:
             self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: {type(e).__name__}: {e}"))
+        finally:
+            receiver.reads.discard(task)
+            peer.reading -= 1
 
     async def _receive(self, ep: Any, hdr: Any, header: np.ndarray, data_tag: Any, d: Descriptors,
                        staged: bool) -> None:
@@ -435,15 +600,42 @@ class UcxDataPlane(HostRegionPlane):
         key = (hello.worker, hello.plane)
         old = self._clients.pop(key, None)
         if old is not None:  # the consumer connected again: it dropped its end after a failure
-            old.abort()
+            close_now(old)
+        previous = self._sessions.get(hello.session) if hello.session else None
+        if previous is not None and previous != key:
+            # the consumer retired its receive worker: nothing sent there will be taken (sends
+            # under way to it end at their deadline, in _serve)
+            self._forget_client(previous)
         ucxx = self.ucxx
         self._clients[key] = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
         self._client_names[key] = hello.engine_id
+        if hello.session:
+            self._sessions[hello.session] = key
+
+    def _forget_client(self, key: tuple[bytes, int]) -> str:
+        ep = self._clients.pop(key, None)
+        if ep is not None:
+            close_now(ep)
+        for session in [s for s, k in self._sessions.items() if k == key]:
+            del self._sessions[session]
+        return self._client_names.pop(key, f"unknown worker ({len(key[0])}-byte address)")
 
     async def _serve(self, req: ReadRequest) -> None:
+        """One read, within the plane's deadline: a consumer that stops taking its reply (stopped,
+        dead, or its receive worker retired) must not keep the sends, and the loop's continuous
+        progress, going for ever. It is forgotten; its next connect says hello again."""
         async with self.rt.active():
-            await self._serve_read(req)
+            try:
+                await asyncio.wait_for(self._serve_read(req), self.timeout_s)
+            except TimeoutError:
+                try:
+                    key = tuple(msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])[:2])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return
+                name = self._forget_client(key)  # type: ignore[arg-type]
+                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
+                               self.plane_id, req.request_id, name, self.timeout_s)
 
     async def _serve_read(self, req: ReadRequest) -> None:
         try:
@@ -496,9 +688,11 @@ class UcxDataPlane(HostRegionPlane):
         async def shutdown() -> None:
             for peer_id in list(self._peers):
                 await self._drop(peer_id)
-            for ep in self._clients.values():
-                ep.abort()
-            self._clients.clear()
+            for key in list(self._clients):
+                self._forget_client(key)
+            if self._receiver is not None:
+                self.rt.retire_receive_worker(self._receiver.ctx, [], keep_s=1.0)
+                self._receiver = None
 
         try:
             self.rt.submit(shutdown()).result(timeout=10)
