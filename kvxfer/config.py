@@ -25,6 +25,7 @@ ENV_PREFIX = "KVXFER_"
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="0 picks an ephemeral port")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)]
 EnvVarName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -142,6 +143,8 @@ class TimeoutsConfig(Config):
     lease_s: PositiveFloat = 30.0
     abort_s: PositiveFloat = 600.0  # the longest a hold may live, renewals included
     reservation_s: PositiveFloat = 60.0
+    # a read refused as "not held" is tried again this long: engines make holds asynchronously
+    hold_wait_s: NonNegativeFloat = 1.0
 
 
 class AuthConfig(Config):

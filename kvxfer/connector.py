@@ -136,7 +136,7 @@ class Connector:
             self.consumer = Consumer(self.config.engine_id, self.rank, self.layout, self.tp_rank, self.pp_rank,
                                      cache, self.plane, self.client, self.secret, self.config.model.name,
                                      t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage,
-                                     metrics=self.metrics)
+                                     metrics=self.metrics, hold_wait_s=t.hold_wait_s)
         logger.info("rank %d registered %d regions (%.1f MiB); side channel %s:%d", self.rank,
                     len(cache.regions), cache.nbytes / 2**20, sc.host, self.server.port)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -44,7 +45,7 @@ D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
 def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
-             host_staging: str = "auto", kv_fused: bool = False) -> InstanceConfig:
+             host_staging: str = "auto", kv_fused: bool = False, hold_wait_s: float = 1.0) -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
@@ -54,7 +55,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
         connector=ConnectorConfig(
             name=connector, side_channel=SideChannelConfig(host="127.0.0.1", port=0),
             timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
-                                    abort_s=max(600.0, transfer_s)),
+                                    abort_s=max(600.0, transfer_s), hold_wait_s=hold_wait_s),
             auth=AuthConfig(secret_env=secret_env) if secret_env else None,
             host_staging=host_staging,
         ),
@@ -206,6 +207,36 @@ def test_read_after_lease_expired_is_refused_and_reported(conn: str) -> None:
         (status, (invalid, why), _), = consume(dcfg, prod.params["req"])
         assert status == "failed" and invalid == D_BLOCKS[:7]
         assert "not held" in why  # never served from blocks that may have been reused
+
+
+def test_a_read_before_the_hold_is_made_waits_for_it(conn: str) -> None:
+    """vLLM makes the prefill side's hold one engine step after it answered the request, so the
+    decode side can ask first: a read refused as "not held" is tried again for hold_wait_s."""
+    pcfg = make_cfg("prefill", "P", connector=conn)
+    dcfg = make_cfg("decode", "D", connector=conn, hold_wait_s=15.0)
+    blocks = [80, 81, 82, 83, 84, 85, 86]
+    with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
+        early = msgspec.structs.replace(prod.params["req"], request_id="late", block_ids=blocks)
+        _, pconn = prod.procs[0]
+        made: list[str] = []
+
+        def hold_after_the_first_refusal() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pconn.send("stats")
+                if recv(pconn)[1]["refused_reads"] >= 1:
+                    pconn.send(("hold", "late", blocks, NTOK))
+                    made.append(recv(pconn)[0])
+                    return
+                time.sleep(0.02)
+
+        holder = threading.Thread(target=hold_after_the_first_refusal)
+        holder.start()
+        (status, detail, _), = consume(dcfg, early)
+        holder.join(timeout=70)
+        assert made == ["params"], "the read was refused before the hold existed"
+        assert status == "ok", detail
+        assert prod.wait_released("late")
 
 
 def test_lease_renewal_keeps_a_queued_request_held(conn: str) -> None:

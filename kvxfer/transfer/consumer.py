@@ -45,6 +45,7 @@ from kvxfer.transfer.planner import (
     plan_direct,
     plan_staged,
 )
+from kvxfer.transfer.producer import NOT_HELD
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class Load:
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)
     local_block_size: int = 1
+    reads: dict[int, Descriptors] = field(default_factory=dict)  # batch id -> what it reads
+    retrying: int = 0  # batches refused as "not held", to be read again
+    hold_wait_until: float = 0.0  # no more such retries after this (consumer clock)
 
     @property
     def invalid_blocks(self) -> list[int]:
@@ -96,7 +100,7 @@ class Consumer:
                  model: str, transfer_s: float, lease_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  on_loaded: Callable[[list[int]], None] | None = None,
-                 metrics: ConnectorMetrics | None = None) -> None:
+                 metrics: ConnectorMetrics | None = None, hold_wait_s: float = 1.0) -> None:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
@@ -109,6 +113,10 @@ class Consumer:
         self.model = model
         self.transfer_s = transfer_s
         self.lease_s = lease_s
+        # A read refused as "not held" is tried again for this long. Engines order holds
+        # asynchronously: vLLM makes the prefill side's hold one engine step after the request
+        # finished, and the decode side, told by that same response, can ask first.
+        self.hold_wait_s = hold_wait_s
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
@@ -123,6 +131,7 @@ class Consumer:
         self._notices: queue.Queue[tuple[RemoteRank, object] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
+        self._retries: list[tuple[float, Load, str, Descriptors]] = []  # (when, load, peer id, pieces)
         self._stop = threading.Event()
         plane.set_completion_callback(lambda: self._jobs.put(("wake", None)))
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
@@ -209,6 +218,7 @@ class Consumer:
             for res in self.plane.poll():
                 self._on_batch(res)
             now = self.clock()
+            self._read_again(now)
             self._check_deadlines(now)
             if now >= next_renew:
                 self._renew_waiting()
@@ -294,26 +304,50 @@ class Consumer:
                 descs = concat(parts)
                 self.stats.planned(len(descs))
                 load.nbytes += descs.nbytes
-                # the producer knows the request by its own id, which may differ from ours
-                batch = self.plane.read(peer.peer_id, params.request_id, descs)
-                load.batches[batch] = peer.peer_id
-                self._batch_loads[batch] = load
+                self._issue(load, peer.peer_id, descs)
         except (HandshakeError, LoadFailed, ValueError, ConnectionError) as e:
             self._fail(load, str(e))
             return
         if not load.batches:
             self._complete(load)
 
+    def _issue(self, load: Load, peer_id: str, descs: Descriptors) -> None:
+        # the producer knows the request by its own id, which may differ from ours
+        batch = self.plane.read(peer_id, load.params.request_id, descs)
+        load.batches[batch] = peer_id
+        load.reads[batch] = descs
+        self._batch_loads[batch] = load
+
+    def _read_again(self, now: float) -> None:
+        due = [r for r in self._retries if r[0] <= now]
+        if not due:
+            return
+        self._retries = [r for r in self._retries if r[0] > now]
+        for _, load, peer_id, descs in due:
+            load.retrying -= 1
+            if self._loads.get(load.request_id) is load and load.error is None:
+                self._issue(load, peer_id, descs)
+
     def _on_batch(self, res: BatchResult) -> None:
         load = self._batch_loads.pop(res.batch_id, None)
         if load is None or res.batch_id not in load.batches:
             return
         del load.batches[res.batch_id]
+        descs = load.reads.pop(res.batch_id)
+        now = self.clock()
+        if not res.ok and NOT_HELD in (res.error or "") and load.error is None:
+            if not load.hold_wait_until:
+                load.hold_wait_until = now + self.hold_wait_s
+            if now < load.hold_wait_until:  # the producer's hold may not be made yet: read again soon
+                logger.debug("request %s: %s; reading again", load.request_id, res.error)
+                load.retrying += 1
+                self._retries.append((now + 0.02, load, res.peer_id, descs))
+                return
         if not res.ok:
             if load.error is None:
                 load.error = res.error
             self._forget(res.peer_id)  # the next load handshakes again, on a fresh connection
-        if not load.batches:
+        if not load.batches and not load.retrying:
             if load.error is not None:
                 self._fail(load, load.error)
             else:
@@ -333,6 +367,10 @@ class Consumer:
         for batch in load.batches:
             self._batch_loads.pop(batch, None)
         load.batches.clear()
+        load.reads.clear()
+        if load.retrying:
+            self._retries = [r for r in self._retries if r[1] is not load]
+            load.retrying = 0
 
     def _forget(self, peer_id: str) -> None:
         """Close the data path to a peer and drop what the handshake told us of it."""

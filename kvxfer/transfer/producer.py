@@ -22,6 +22,10 @@ from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)
 
+# How a read for a request id with no hold is refused. Consumers match it to tell "the hold may
+# not be made yet" (the engine orders holds asynchronously) from other refusals.
+NOT_HELD = "is not held (never held, released, or expired)"
+
 
 @dataclass
 class Hold:
@@ -160,7 +164,7 @@ class HoldRegistry:
         with self._lock:
             h = self._holds.get(request_id)
             if h is None:
-                return f"request {request_id} is not held (never held, released, or expired)"
+                return f"request {request_id} {NOT_HELD}"
             if min(h.lease_deadline, h.abort_deadline) <= now:
                 return f"request {request_id}: hold expired"
             cs = h.held_mask_cumsum
