@@ -223,7 +223,7 @@ class _Runtime:
         Why: a producer killed while writing into a worker's shared-memory FIFO can leave a
         slot claimed and never filled, and every later sender to that worker then waits
         behind it. A plane that loses a peer mid-read swaps its receive worker for a fresh
-        one (UcxDataPlane._renew_receive_worker); the process's main worker, which sends,
+        one (UcxDataPlane._renew_receiver); the process's main worker, which sends,
         is not touched. It is an ApplicationContext without its own UCX context, notifier
         thread or progress task, because ucxx's endpoints insist on one; kvxfer progresses it.
         """
