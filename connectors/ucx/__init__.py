@@ -625,26 +625,23 @@ class UcxDataPlane(HostRegionPlane):
         """One read, within the plane's deadline: a consumer that stops taking its reply (stopped,
         dead, or its receive worker retired) must not keep the sends, and the loop's continuous
         progress, going for ever. It is forgotten; its next connect says hello again."""
-        async with self.rt.active():
-            try:
-                await asyncio.wait_for(self._serve_read(req), self.timeout_s)
-            except TimeoutError:
-                try:
-                    key = tuple(msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])[:2])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    return
-                name = self._forget_client(key)  # type: ignore[arg-type]
-                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
-                               self.plane_id, req.request_id, name, self.timeout_s)
-
-    async def _serve_read(self, req: ReadRequest) -> None:
         try:
             worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._refuse_once("?", "read request without a reply address")
             return
-        ep = self._clients.get((worker, plane))
-        peer = self._client_names.get((worker, plane), f"unknown worker ({len(worker)}-byte address)")
+        async with self.rt.active():
+            try:
+                await asyncio.wait_for(self._serve_read(req, (worker, plane), chunk), self.timeout_s)
+            except TimeoutError:
+                name = self._forget_client((worker, plane))
+                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
+                               self.plane_id, req.request_id, name, self.timeout_s)
+
+    async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
+        worker, plane = client
+        ep = self._clients.get(client)
+        peer = self._client_names.get(client, f"unknown worker ({len(worker)}-byte address)")
         if ep is None:
             self._refuse_once(peer, "read request from a consumer that never said hello (or was refused)")
             return

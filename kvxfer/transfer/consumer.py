@@ -50,6 +50,7 @@ from kvxfer.transfer.producer import NOT_HELD
 logger = logging.getLogger(__name__)
 
 STAGING_REGION_BASE = 1 << 30
+READ_AGAIN_AFTER_S = 0.02  # a read refused as "not held" is sent again this soon (within hold_wait_s)
 
 
 class LoadFailed(RuntimeError):
@@ -75,14 +76,13 @@ class Load:
     local_blocks_full: np.ndarray  # one id per local block of the prompt, prefix hits included
     skip_tokens: int
     deadline: float
-    batches: dict[int, str] = field(default_factory=dict)  # batch id -> peer id
+    batches: dict[int, tuple[str, Descriptors]] = field(default_factory=dict)  # batch id -> (peer id, pieces)
     staged: list[tuple[StagedPlan, Peer]] = field(default_factory=list)
     peers: dict[int, Peer] = field(default_factory=dict)  # remote rank -> peer
     error: str | None = None
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)
     local_block_size: int = 1
-    reads: dict[int, Descriptors] = field(default_factory=dict)  # batch id -> what it reads
     retrying: int = 0  # batches refused as "not held", to be read again
     hold_wait_until: float = 0.0  # no more such retries after this (consumer clock)
 
@@ -314,8 +314,7 @@ class Consumer:
     def _issue(self, load: Load, peer_id: str, descs: Descriptors) -> None:
         # the producer knows the request by its own id, which may differ from ours
         batch = self.plane.read(peer_id, load.params.request_id, descs)
-        load.batches[batch] = peer_id
-        load.reads[batch] = descs
+        load.batches[batch] = (peer_id, descs)
         self._batch_loads[batch] = load
 
     def _read_again(self, now: float) -> None:
@@ -332,8 +331,7 @@ class Consumer:
         load = self._batch_loads.pop(res.batch_id, None)
         if load is None or res.batch_id not in load.batches:
             return
-        del load.batches[res.batch_id]
-        descs = load.reads.pop(res.batch_id)
+        _, descs = load.batches.pop(res.batch_id)
         now = self.clock()
         if not res.ok and NOT_HELD in (res.error or "") and load.error is None:
             if not load.hold_wait_until:
@@ -341,7 +339,7 @@ class Consumer:
             if now < load.hold_wait_until:  # the producer's hold may not be made yet: read again soon
                 logger.debug("request %s: %s; reading again", load.request_id, res.error)
                 load.retrying += 1
-                self._retries.append((now + 0.02, load, res.peer_id, descs))
+                self._retries.append((now + READ_AGAIN_AFTER_S, load, res.peer_id, descs))
                 return
         if not res.ok:
             if load.error is None:
@@ -358,7 +356,7 @@ class Consumer:
             late = [ld for ld in self._loads.values() if ld.deadline <= now]
         for load in late:
             # stop the data plane writing into these blocks before we call them invalid
-            for peer_id in set(load.batches.values()):
+            for peer_id in {peer_id for peer_id, _ in load.batches.values()}:
                 self._forget(peer_id)
             self._drop_batches(load)
             self._fail(load, f"not loaded within {self.transfer_s:g}s", timed_out=True)
@@ -367,7 +365,6 @@ class Consumer:
         for batch in load.batches:
             self._batch_loads.pop(batch, None)
         load.batches.clear()
-        load.reads.clear()
         if load.retrying:
             self._retries = [r for r in self._retries if r[1] is not load]
             load.retrying = 0
