@@ -12,7 +12,7 @@ and can neither read nor release anything:
 
 Both sides then derive ``token = HMAC(secret, "token" | cn | sn)``, which later side-channel
 messages and data-plane connections carry. The secret never crosses the wire; see
-SECURITY.md for what this does and does not protect.
+docs/security.md for what this does and does not protect.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Security defaults (SECURITY.md): every listener binds to loopback unless a config says
+"""Security defaults (docs/security.md): every listener binds to loopback unless a config says
 otherwise, and with a shared secret the data plane serves only authenticated connections."""
 
 from __future__ import annotations

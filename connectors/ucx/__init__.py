@@ -248,7 +248,7 @@ class _Runtime:
         Why stop at once: with shared memory and tcp a reply's bytes land only while the
         receiving worker is progressed, so once this returns nothing a late or half-dead
         producer still sends can reach blocks given back afterwards (RDMA puts from the
-        sender are the exception: SECURITY.md). The worker is freed ``keep_s`` later, once
+        sender are the exception: docs/security.md). The worker is freed ``keep_s`` later, once
         the reads cancelled on it have unwound.
         """
         self.receive_workers.discard(ctx.worker)
