@@ -35,6 +35,7 @@ from kvxfer.protocol import (
     Abandon,
     Ack,
     DoneNotice,
+    ErrorCode,
     ErrorReply,
     HandshakeRequest,
     HandshakeResponse,
@@ -79,7 +80,7 @@ class Connector:
         self.pp_rank = rank // config.parallel.tp
         self.layout = ParallelLayout.from_config(config)
         self.plane = data_plane
-        self.plane.engine_id = config.engine_id  # type: ignore[attr-defined]
+        self.plane.engine_id = config.engine_id
         self.clock = clock
         self.secret = read_secret(config.connector.auth.secret_env if config.connector.auth else None)
         self.generation = secrets.randbits(62)
@@ -161,8 +162,16 @@ class Connector:
         return out
 
     def stats(self) -> dict[str, float]:
-        """Counters of this rank's connector (see :class:`kvxfer.metrics.ConnectorMetrics`)."""
+        """Counters of this rank's connector (see :class:`kvxfer.metrics.ConnectorMetrics`).
+
+        ``broken`` is 1 once this rank cannot load any more (its data plane is broken for good;
+        :attr:`broken` says why): every pending and later load then fails at once."""
         return self.metrics.snapshot()
+
+    @property
+    def broken(self) -> str | None:
+        """Why this rank cannot load any more, or None while it can."""
+        return self.consumer.broken if self.consumer is not None else None
 
     def _producer_stats(self) -> dict[str, float]:
         holds = self.holds
@@ -215,11 +224,11 @@ class Connector:
             why = self.auth.verify(msg)
             if why is not None:
                 logger.warning("side channel: refused handshake from %s (%s): %s", msg.engine_id, peer, why)
-                return ErrorReply(code="auth", message=why)
+                return ErrorReply(code=ErrorCode.AUTH, message=why)
             mine, theirs = self.layout, msg.layout
             for f in ("num_layers", "num_kv_heads", "mla"):
                 if getattr(mine, f) != getattr(theirs, f):
-                    return ErrorReply(code="incompatible", message=f"{f}: producer {getattr(mine, f)!r}, "
+                    return ErrorReply(code=ErrorCode.INCOMPATIBLE, message=f"{f}: producer {getattr(mine, f)!r}, "
                                       f"consumer {getattr(theirs, f)!r}")
             spec = cache.spec
             return HandshakeResponse(
@@ -233,18 +242,20 @@ class Connector:
             )
         if isinstance(msg, DoneNotice | LeaseRenew | Abandon):
             if not self.auth.check_token(msg.token):
-                return ErrorReply(code="auth", message="no valid handshake token")
+                return ErrorReply(code=ErrorCode.AUTH, message="no valid handshake token")
             if msg.generation != self.generation:
-                return ErrorReply(code="stale_generation", message=f"this rank serves generation {self.generation}")
+                return ErrorReply(code=ErrorCode.STALE_GENERATION,
+                                  message=f"this rank serves generation {self.generation}")
             if isinstance(msg, DoneNotice):
                 why = holds.on_done(msg.request_id, msg.engine_id, msg.rank, msg.layout)
-                return ErrorReply(code="unknown_request", message=why) if why else Ack()
+                return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, message=why) if why else Ack()
             if isinstance(msg, LeaseRenew):
                 holds.renew(msg.request_ids)
                 return Ack()
             holds.release(msg.request_id, f"abandoned by the consumer: {msg.reason}")
             return Ack()
-        return ErrorReply(code="unexpected", message=f"{type(msg).__name__} is not a request this server answers")
+        return ErrorReply(code=ErrorCode.UNEXPECTED,
+                          message=f"{type(msg).__name__} is not a request this server answers")
 
     # ------------------------------------------------------------------ consumer
     def _consumer(self) -> Consumer:

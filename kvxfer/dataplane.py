@@ -6,9 +6,12 @@ third-party plugin would; the core never imports a connector module by name.
 
 Contract for implementations:
 - serve only registered regions, and only reads the validator allows;
-- every ``read`` reports exactly one ``BatchResult`` through ``poll``, ok or failed, within
-  the data plane's own time limit; after reporting, it never touches the destination again;
-- with a token checker set, a connection that does not present a valid token is closed.
+- every ``read`` reports exactly one ``BatchResult`` through ``poll``, ok or failed (with an
+  :class:`~kvxfer.protocol.ErrorCode`), within the data plane's own time limit; after
+  reporting, it never touches the destination again;
+- with a token checker set, a connection that does not present a valid token is closed;
+- no exception ends a plane's thread: one that escapes an iteration fails what it touched and
+  goes to :func:`kvxfer.supervise.report`; a plane that cannot go on says why in ``broken``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
+from kvxfer.protocol import MAX_READ_PIECES, ErrorCode, Refusal
+from kvxfer.supervise import describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -97,45 +102,78 @@ def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: 
 
 
 def check_read(table: RegionTable, validator: ReadValidator | None, request_id: str, regions: bytes,
-               offsets: bytes, lengths: bytes, allow_empty: bool = False) -> tuple[str | None, Descriptors]:
+               offsets: bytes, lengths: bytes, allow_empty: bool = False) -> tuple[Refusal | None, Descriptors]:
     """The serving side's check of a read request's packed int64 arrays: why it must be refused
     (malformed, out of bounds, or not allowed by ``validator``), or None; and its pieces as
-    Descriptors whose ``remote_*`` fields are this side's regions (empty when refused)."""
-    from kvxfer.protocol import MAX_READ_PIECES  # protocol depends on nothing here
+    Descriptors whose ``remote_*`` fields are this side's regions (empty when refused).
 
+    A validator that raises refuses the read as ``internal`` (reported once, see
+    :mod:`kvxfer.supervise`): a bug there must not end the serving loop that called it."""
+    empty = Descriptors.from_rows([])
+    if len(regions) % 8 or len(offsets) % 8 or len(lengths) % 8:
+        return Refusal(ErrorCode.BAD_MESSAGE, "malformed read request"), empty
     arrays = [np.frombuffer(b, dtype="<i8").astype(np.int64) for b in (regions, offsets, lengths)]
     n = len(arrays[0])
-    empty = Descriptors.from_rows([])
     if any(len(a) != n for a in arrays) or n > MAX_READ_PIECES or (n == 0 and not allow_empty):
-        return "malformed read request", empty
+        return Refusal(ErrorCode.BAD_MESSAGE, "malformed read request"), empty
     if n and ((arrays[2] <= 0).any() or (arrays[1] < 0).any()):
-        return "lengths must be > 0 and offsets >= 0", empty
+        return Refusal(ErrorCode.BAD_MESSAGE, "lengths must be > 0 and offsets >= 0"), empty
     zeros = np.zeros(n, dtype=np.int64)
     d = Descriptors(arrays[0], arrays[1], zeros, zeros, arrays[2])
-    why = check_bounds(table, d.remote_region, d.remote_offset, d.length)
-    if why is None and validator is not None:
+    out_of_bounds = check_bounds(table, d.remote_region, d.remote_offset, d.length)
+    if out_of_bounds is not None:
+        return Refusal(ErrorCode.OUT_OF_BOUNDS, out_of_bounds), empty
+    if validator is None:
+        return None, d
+    try:
         why = validator(request_id, d)
+    except Exception as e:
+        report("read validator", e, f"read for {request_id}")
+        why = Refusal(ErrorCode.INTERNAL, f"the read check failed: {describe(e)}")
     return why, (empty if why else d)
 
 
 @dataclass(frozen=True)
 class BatchResult:
-    """The outcome of one ``read`` batch: ``error`` is None on success."""
+    """The outcome of one ``read`` batch: ``error`` (a message) and ``code`` are None on success."""
 
     batch_id: int
     peer_id: str
     request_id: str
     nbytes: int
     error: str | None = None
+    code: ErrorCode | None = None
+
+    def __post_init__(self) -> None:
+        if self.error is not None and self.code is None:  # a plugin that gives no code: still typed
+            object.__setattr__(self, "code", ErrorCode.INTERNAL)
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
+    @classmethod
+    def failed(cls, batch_id: int, peer_id: str, request_id: str, code: ErrorCode, error: str) -> BatchResult:
+        return cls(batch_id, peer_id, request_id, 0, error, code)
 
-ReadValidator = Callable[[str, Descriptors], str | None]
+
+class ReadRefused(Exception):
+    """A read the serving side refused, with its typed code (raised inside planes)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"read refused: {message}")
+        self.code = code
+
+
+class PlaneBroken(RuntimeError):
+    """A data plane cannot go on (its threads or transport are gone): every load on it fails."""
+
+    code = ErrorCode.PLANE_BROKEN
+
+
+ReadValidator = Callable[[str, Descriptors], Refusal | None]
 """Called on the serving side with (request id, descriptors whose ``remote_*`` fields are in
-the server's own regions); returns a refusal reason, or None to allow the read."""
+the server's own regions); returns a typed refusal, or None to allow the read."""
 
 TokenChecker = Callable[[bytes], bool]
 """Called on the serving side with the token a new connection presents."""
@@ -145,6 +183,7 @@ class DataPlane(ABC):
     """Moves bytes between registered regions of two ranks; never interprets them."""
 
     name: ClassVar[str]
+    engine_id: str = "kvxfer"  # set by the Connector; planes name themselves with it to their peers
     known_options: ClassVar[frozenset[str] | None] = None  # None: accept any option
     cross_process: ClassVar[bool] = True  # False: both ranks must live in one process (tests)
 
@@ -195,6 +234,13 @@ class DataPlane(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop every thread and socket this data plane started."""
+
+    def broken(self) -> str | None:
+        """Why this plane cannot go on (a thread it needs has stopped), or None while it can.
+
+        Checked by the consumer on every turn: once it says why, every pending and later load
+        on this plane fails at once with that reason (code ``plane_broken``)."""
+        return None
 
 
 def available_data_planes() -> dict[str, EntryPoint]:

@@ -30,6 +30,7 @@ import zmq
 
 from kvxfer.protocol import (
     Challenge,
+    ErrorCode,
     ErrorReply,
     HandshakeRequest,
     HandshakeResponse,
@@ -39,6 +40,7 @@ from kvxfer.protocol import (
     decode_side,
     encode,
 )
+from kvxfer.supervise import describe, report
 from kvxfer.topology import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -47,11 +49,18 @@ NONCE_BYTES = 16
 
 
 class HandshakeError(RuntimeError):
-    """A handshake failed: the peer was unreachable, refused us, or is incompatible."""
+    """A handshake failed: the peer was unreachable, refused us, or is incompatible (``code`` says which)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNREACHABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class AuthError(HandshakeError):
     """The shared-secret proof did not verify."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.AUTH) -> None:
+        super().__init__(message, code)
 
 
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
@@ -146,36 +155,44 @@ class SideChannelServer:
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(100):
-                    continue
-                parts = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as e:
+                self._serve_one(poller)
+            except Exception as e:  # supervised: the server keeps answering
                 if self._stop.is_set():
                     break
-                logger.warning("side channel receive error: %s", e)
-                continue
-            if len(parts) != 3 or parts[1] != b"":
-                continue  # not a DEALER request frame; nothing to answer
-            identity, _, frame = parts
-            peer = identity.hex()
-            try:
-                msg = decode_side(frame)
-                reply = self._responder(msg, peer)
-            except ProtocolError as e:
-                self._log_refusal(peer, "bad_message", str(e))
-                reply = ErrorReply(code="bad_message", message=str(e))
-            except Exception as e:  # a bug in a handler must not kill the server
-                logger.exception("side channel handler failed for peer %s", peer)
-                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}")
-            if reply is not None:
-                try:
-                    self._sock.send_multipart([identity, b"", encode(reply)], zmq.NOBLOCK)
-                except zmq.ZMQError as e:
-                    logger.warning("side channel reply to %s dropped: %s", peer, e)
+                report("side-channel server", e)
+                time.sleep(0.01)
 
-    def _log_refusal(self, peer: str, code: str, why: str) -> None:
+    def _serve_one(self, poller: zmq.Poller) -> None:
+        try:
+            if not poller.poll(100):
+                return
+            parts = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        except zmq.ZMQError as e:
+            if not self._stop.is_set():
+                logger.warning("side channel receive error: %s", e)
+            return
+        if len(parts) != 3 or parts[1] != b"":
+            return  # not a DEALER request frame; nothing to answer
+        identity, _, frame = parts
+        peer = identity.hex()
+        try:
+            msg = decode_side(frame)
+            reply = self._responder(msg, peer)
+        except ProtocolError as e:
+            self._log_refusal(peer, ErrorCode.BAD_MESSAGE, str(e))
+            reply = ErrorReply(code=ErrorCode.BAD_MESSAGE, message=str(e)[:4000])
+        except Exception as e:  # a bug in a handler must not kill the server
+            report("side-channel handler", e, f"message from peer {peer}")
+            reply = ErrorReply(code=ErrorCode.INTERNAL, message=describe(e)[:4000])
+        if reply is not None:
+            try:
+                self._sock.send_multipart([identity, b"", encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("side channel reply to %s dropped: %s", peer, e)
+
+    def _log_refusal(self, peer: str, code: ErrorCode, why: str) -> None:
         key = (peer, code)
         if key not in self._refused:  # once per peer and kind, so a flood cannot flood the log
             self._refused.add(key)
@@ -229,9 +246,10 @@ class SideChannelClient:
         cn = secrets.token_bytes(NONCE_BYTES)
         reply = self.request(host, port, Hello(engine_id=engine_id, client_nonce=cn))
         if isinstance(reply, ErrorReply):
-            raise HandshakeError(f"{host}:{port} refused the hello: {reply.code}: {reply.message}")
+            raise HandshakeError(f"{host}:{port} refused the hello: {reply.code.value}: {reply.message}", reply.code)
         if not isinstance(reply, Challenge):
-            raise HandshakeError(f"{host}:{port}: expected a challenge, got {type(reply).__name__}")
+            raise HandshakeError(f"{host}:{port}: expected a challenge, got {type(reply).__name__}",
+                                 ErrorCode.BAD_MESSAGE)
         sn = reply.server_nonce
         if secret is not None and not hmac.compare_digest(reply.server_proof, _mac(secret, b"server", cn, sn)):
             raise AuthError(f"{host}:{port} could not prove the shared secret")
@@ -240,9 +258,10 @@ class SideChannelClient:
                                server_nonce=sn, proof=proof)
         reply = self.request(host, port, req, retries=0)
         if isinstance(reply, ErrorReply):
-            cls = AuthError if reply.code == "auth" else HandshakeError
-            raise cls(f"{host}:{port} refused the handshake: {reply.code}: {reply.message}")
+            cls = AuthError if reply.code is ErrorCode.AUTH else HandshakeError
+            raise cls(f"{host}:{port} refused the handshake: {reply.code.value}: {reply.message}", reply.code)
         if not isinstance(reply, HandshakeResponse):
-            raise HandshakeError(f"{host}:{port}: expected handshake metadata, got {type(reply).__name__}")
+            raise HandshakeError(f"{host}:{port}: expected handshake metadata, got {type(reply).__name__}",
+                                 ErrorCode.BAD_MESSAGE)
         token = _mac(secret, b"token", cn, sn) if secret is not None else b""
         return reply, token

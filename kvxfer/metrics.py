@@ -13,8 +13,12 @@ import bisect
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from kvxfer.protocol import ErrorCode
+from kvxfer.supervise import loop_errors
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,8 @@ class ConnectorMetrics:
         self.transfer_latency = Histogram()
         self.busy = BusyClock(clock)
         self.producer: Callable[[], dict[str, float]] = dict  # held blocks, refused reads: read when asked
+        self.failed_by_code: Counter[str] = Counter()
+        self.broken: str | None = None  # why this rank's loading cannot go on (every load fails at once)
 
     # -------------------------------------------------------------- updates
     def load_started(self) -> None:
@@ -94,7 +100,7 @@ class ConnectorMetrics:
             self.busy.start()
 
     def load_finished(self, seconds: float, nbytes: int = 0, error: str | None = None,
-                      timed_out: bool = False) -> None:
+                      timed_out: bool = False, code: ErrorCode | None = None) -> None:
         with self._lock:
             self.busy.stop()
             self.transfer_latency.observe(seconds)
@@ -104,6 +110,11 @@ class ConnectorMetrics:
             else:
                 self.loads_failed += 1
                 self.timeouts += timed_out
+                self.failed_by_code[(code or ErrorCode.INTERNAL).value] += 1
+
+    def set_broken(self, why: str) -> None:
+        with self._lock:
+            self.broken = why
 
     def planned(self, descriptors: int) -> None:
         with self._lock:
@@ -123,7 +134,9 @@ class ConnectorMetrics:
             out = {"loads_started": self.loads_started, "loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
                    "load_timeouts": self.timeouts, "bytes_received": self.bytes, "descriptors": self.descriptors,
                    "handshakes": self.handshakes, "handshake_s": self.handshake_s, "busy_s": busy,
-                   "throughput_gbps": self.bytes / busy / 1e9 if busy > 0 else 0.0}
+                   "throughput_gbps": self.bytes / busy / 1e9 if busy > 0 else 0.0,
+                   "broken": int(self.broken is not None), "loop_errors": loop_errors()}
+            out.update({f"loads_failed_{code}": n for code, n in self.failed_by_code.items()})
         out.update(self.producer())
         return {k: float(v) for k, v in out.items()}
 
@@ -136,7 +149,8 @@ class ConnectorMetrics:
         counters = [("loads_started", "KV loads started"), ("loads_ok", "KV loads completed"),
                     ("loads_failed", "KV loads failed (blocks recycled)"), ("load_timeouts", "KV loads timed out"),
                     ("bytes_received", "KV bytes loaded"), ("descriptors", "read descriptors after coalescing"),
-                    ("handshakes", "side-channel handshakes"), ("refused_reads", "reads refused by the producer")]
+                    ("handshakes", "side-channel handshakes"), ("refused_reads", "reads refused by the producer"),
+                    ("loop_errors", "exceptions caught at the top of kvxfer's loops in this process (each logged)")]
         for key, doc in counters:
             if key in snap:
                 c = CounterMetricFamily(f"kvxfer_{key}", doc, labels=names)
@@ -144,11 +158,19 @@ class ConnectorMetrics:
                 yield c
         for key, doc in [("held_blocks", "blocks held for readers"), ("held_requests", "requests held for readers"),
                          ("busy_s", "wall seconds with a load in flight (non-overlapping)"),
-                         ("throughput_gbps", "bytes_received / busy_s, GB/s")]:
+                         ("throughput_gbps", "bytes_received / busy_s, GB/s"),
+                         ("broken", "1 once this rank cannot load any more (its data plane is broken): every load "
+                                    "fails at once")]:
             if key in snap:
                 g = GaugeMetricFamily(f"kvxfer_{key}", doc, labels=names)
                 g.add_metric(values, snap[key])
                 yield g
+        by_code = CounterMetricFamily("kvxfer_loads_failed_by_code", "KV loads failed, by error code",
+                                      labels=[*names, "code"])
+        with self._lock:
+            for code, n in sorted(self.failed_by_code.items()):
+                by_code.add_metric([*values, code], n)
+        yield by_code
         with self._lock:
             hists = [("handshake_seconds", "handshake latency", self.handshake_latency),
                      ("transfer_seconds", "load latency, start to finished or failed", self.transfer_latency)]

@@ -7,14 +7,16 @@ into these types, which refuses anything else (unknown tags, wrong types, missin
 
 from __future__ import annotations
 
+import enum
 import hashlib
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
 
 from kvxfer.topology import ParallelLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: refusals carry an ErrorCode
 MAX_MESSAGE_BYTES = 4 << 20  # side-channel frames; a handshake response is a few KiB
 MAX_READ_PIECES = 1 << 20  # descriptors in one data-plane read request
 
@@ -22,8 +24,43 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a message, a read or a load was refused or failed. Code acts on these; the message
+    beside each code is for people, and no control flow reads it."""
+
+    NOT_HELD = "not_held"  # the producer holds no such request (yet, or any more)
+    OUT_OF_BOUNDS = "out_of_bounds"  # a piece outside the registered regions or the request's blocks
+    EXPIRED = "expired"  # the hold's lease or abort limit passed
+    AUTH = "auth"  # no valid shared-secret proof or handshake token
+    INCOMPATIBLE = "incompatible"  # the peers' models, KV specs or layouts cannot be mapped
+    BAD_MESSAGE = "bad_message"  # undecodable, too large, wrong version
+    BAD_PARAMS = "bad_params"  # KVTransferParams that do not describe a readable request
+    STALE_GENERATION = "stale_generation"  # the producer restarted since the params were made
+    UNKNOWN_REQUEST = "unknown_request"  # a notice for a request this rank does not hold
+    UNEXPECTED = "unexpected"  # a message this server does not answer
+    UNREACHABLE = "unreachable"  # no reply from the peer's side channel
+    PEER_LOST = "peer_lost"  # the data connection closed or failed mid-read
+    TIMEOUT = "timeout"  # a bounded wait ran out
+    CANCELLED = "cancelled"  # given up on purpose (e.g. a retired ucx receive worker)
+    PLANE_BROKEN = "plane_broken"  # the data plane cannot go on; every load on it fails
+    INTERNAL = "internal"  # a bug or unexpected exception inside kvxfer or a plugin
+
+
 class ProtocolError(ValueError):
     """A frame was refused: too large, undecodable, or of the wrong version."""
+
+    code = ErrorCode.BAD_MESSAGE
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A typed refusal: what code acts on, and the human message that goes with it."""
+
+    code: ErrorCode
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class Message(msgspec.Struct, tag=True, tag_field="type", forbid_unknown_fields=True, frozen=True,
@@ -131,7 +168,7 @@ class Ack(Message, tag="ack"):
 
 
 class ErrorReply(Message, tag="error"):
-    code: str
+    code: ErrorCode
     message: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
@@ -160,7 +197,8 @@ class ReadReply(Message, tag="read_ok"):
 
     batch_id: int
     nbytes: int
-    error: str = ""
+    error: str = ""  # the refusal's message; empty when the data follows
+    code: ErrorCode | None = None  # the refusal's code
 
 
 class DataHello(Message, tag="data_hello"):

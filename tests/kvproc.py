@@ -212,7 +212,7 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
     """A long-lived consumer rank with a BlockManager: ("load", params, timeout_s, verify[,
     announce]) reserves blocks, loads, checks against the oracle (when ``verify``), and commits
     and frees them on success or discards them on failure; answers ("result", status, invalid,
-    why, elapsed). With ``announce`` it first says ("writing", None) once the first block changes.
+    why, elapsed, error code). With ``announce`` it first says ("writing", None) once the first block changes.
     ("pool",) answers (free, total); ("stats",) the connector's stats; "stop" ends it."""
     import os
 
@@ -243,7 +243,7 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
                 first.zero_()
                 t0 = time.monotonic()
                 c.start_load(rid, params, alloc.block_ids)
-                out: tuple[Any, ...] = ("result", "hung", [], "", 0.0)
+                out: tuple[Any, ...] = ("result", "hung", [], "", 0.0, "")
                 while time.monotonic() - t0 < timeout_s:
                     f = c.poll(timeout_s=0.001 if announce else 0.05)
                     if announce and bool(first.any()):
@@ -253,14 +253,16 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
                         why = check(cache, cfg, tp_rank, alloc.block_ids, params.num_tokens) if verify else None
                         bm.commit(rid)
                         bm.free(rid)
-                        out = ("result", "ok" if why is None else "mismatch", [], why or "", time.monotonic() - t0)
+                        out = ("result", "ok" if why is None else "mismatch", [], why or "", time.monotonic() - t0,
+                               "")
                         break
                     if rid in f.failed:
                         invalid = sorted(f.failed[rid])
                         expected = sorted(bm.get(rid).new_block_ids)
                         bm.discard(rid)
                         status = "failed" if invalid == expected else "failed-wrong-ids"
-                        out = ("result", status, invalid, f.errors.get(rid, ""), time.monotonic() - t0)
+                        code = f.codes[rid].value if rid in f.codes else ""
+                        out = ("result", status, invalid, f.errors.get(rid, ""), time.monotonic() - t0, code)
                         break
                 conn.send(out)
         c.close()

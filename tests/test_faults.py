@@ -64,9 +64,11 @@ class ConsumerProc:
             self.early = msg  # done before a write was seen: ``result`` returns it
 
     def result(self, timeout: float = 90.0) -> tuple[str, list[int], str, float]:
+        """(status, invalid block ids, why, elapsed); the failure's error code goes to ``last_code``."""
         msg = getattr(self, "early", None) or recv(self.conn, timeout)
         self.early = None
-        return msg[1:]
+        self.last_code: str = msg[5]
+        return msg[1:5]
 
     def load(self, params: KVTransferParams, **kw: Any) -> tuple[str, list[int], str, float]:
         self.send_load(params, **kw)

@@ -8,6 +8,7 @@ import torch
 
 from kvxfer.cache import KVCacheSpec, allocate_kv_cache
 from kvxfer.connector import Descriptors, load_data_plane
+from kvxfer.protocol import ErrorCode, Refusal
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=16, block_size=8, dtype="bfloat16")
 
@@ -62,11 +63,12 @@ def test_out_of_bounds_and_unregistered_reads_are_refused(pair) -> None:
 
 def test_validator_refusal_reads_nothing(pair) -> None:
     producer, consumer, src, dst = pair
-    producer.set_read_validator(lambda rid, d: None if rid == "held" else f"request {rid} is not held")
+    producer.set_read_validator(
+        lambda rid, d: None if rid == "held" else Refusal(ErrorCode.NOT_HELD, f"request {rid} is not held"))
     stride = src.regions[0].block_stride
     consumer.read("p", "other", block_descriptors([1], [1], 1, stride))
     (res,) = consumer.poll()
-    assert res.error == "request other is not held"
+    assert res.error == "request other is not held" and res.code is ErrorCode.NOT_HELD
     assert torch.count_nonzero(dst.tensors[0].float()) == 0
     consumer.read("p", "held", block_descriptors([1], [1], 1, stride))
     assert consumer.poll()[0].ok and torch.equal(dst.tensors[0][1], src.tensors[0][1])
@@ -76,7 +78,8 @@ def test_closed_peer_and_bad_descriptors(pair) -> None:
     producer, consumer, _, _ = pair
     producer.close()
     consumer.read("p", "r", Descriptors.from_rows([(0, 0, 0, 0, 8)]))
-    assert consumer.poll()[0].error == "peer p is not connected"
+    res = consumer.poll()[0]
+    assert res.error == "peer p is not connected" and res.code is ErrorCode.PEER_LOST
     with pytest.raises(ConnectionError, match="no local data plane"):
         consumer.connect("q", producer.address())
     with pytest.raises(ValueError, match="lengths must be > 0"):

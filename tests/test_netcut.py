@@ -24,7 +24,7 @@ from kvproc import recv
 from msgspec.structs import replace
 from test_transfer import enc, make_cfg
 
-from kvxfer.config import SideChannelConfig
+from kvxfer.config import AuthConfig, SideChannelConfig
 from kvxfer.protocol import KVTransferParams
 
 pytestmark = pytest.mark.slow
@@ -112,8 +112,11 @@ def _cfgs(conn: str) -> tuple[Any, Any, dict[str, str], dict[str, str]]:
     dp = {"transport": "tcp"} if conn == "tcp" else {"tls": "tcp"}  # no Unix socket, no shared memory
     p = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=1200, lease_s=LEASE_S, transfer_s=TRANSFER_S)
     d = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=1200, lease_s=LEASE_S, transfer_s=TRANSFER_S)
-    p = replace(p, connector=replace(p.connector, side_channel=SideChannelConfig(host=P_IP, port=0), data_plane=dp))
-    d = replace(d, connector=replace(d.connector, side_channel=SideChannelConfig(host=C_IP, port=0), data_plane=dp))
+    none = AuthConfig(mode="none")  # two hosts, no secret: the explicit opt-out a non-loopback address needs
+    p = replace(p, connector=replace(p.connector, side_channel=SideChannelConfig(host=P_IP, port=0), data_plane=dp,
+                                     auth=none))
+    d = replace(d, connector=replace(d.connector, side_channel=SideChannelConfig(host=C_IP, port=0), data_plane=dp,
+                                     auth=none))
     ucx_env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"} if conn == "ucx" else {}
     return p, d, ucx_env, ucx_env
 
@@ -146,7 +149,7 @@ def test_link_down_mid_transfer_then_up(hosts: Hosts, conn: str) -> None:
         assert recv(cons.conn, 60)[0] == "writing", "the cut must land mid-transfer"
         hosts.link(up=False)
         try:
-            status, invalid, why, elapsed = recv(cons.conn, 60)[1:]
+            status, invalid, why, elapsed = recv(cons.conn, 60)[1:5]
         finally:
             hosts.link(up=True)
         assert status == "failed", (status, why)  # not "hung", not "ok"
@@ -166,7 +169,7 @@ def test_link_down_mid_transfer_then_up(hosts: Hosts, conn: str) -> None:
         outcomes = []
         for attempt in range(5):
             cons.conn.send(("load", _hold(prod, f"after-{attempt}", 8).to_bytes(), 30.0, True))
-            status, _, why, elapsed = recv(cons.conn, 60)[1:]
+            status, _, why, elapsed = recv(cons.conn, 60)[1:5]
             outcomes.append((status, why))
             assert elapsed < TRANSFER_S + 3.0, (elapsed, why)
             if status == "ok":

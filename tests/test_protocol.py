@@ -14,11 +14,16 @@ from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelCon
 from kvxfer.connector import Connector, Finished, FinishedAggregator
 from kvxfer.protocol import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     DoneNotice,
+    ErrorCode,
+    ErrorReply,
     Hello,
     KVTransferParams,
     ProtocolError,
+    ReadReply,
     RemoteRank,
+    decode_data,
     decode_side,
     encode,
     merge_params,
@@ -40,8 +45,8 @@ def test_round_trip_and_refusals() -> None:
     assert decode_side(encode(msg)) == msg
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         decode_side(b"\x00" * (MAX_MESSAGE_BYTES + 1))
-    with pytest.raises(ProtocolError, match="protocol version 2, expected 1"):
-        decode_side(encode(Hello(engine_id="x", client_nonce=b"n", version=2)))
+    with pytest.raises(ProtocolError, match=f"protocol version 1, expected {PROTOCOL_VERSION}"):
+        decode_side(encode(Hello(engine_id="x", client_nonce=b"n", version=1)))
     with pytest.raises(ProtocolError, match="undecodable"):
         decode_side(msgspec.msgpack.encode({"type": "pickle", "version": 1}))
     with pytest.raises(ProtocolError, match="undecodable"):
@@ -109,3 +114,15 @@ def test_close_stops_every_thread_and_socket() -> None:
         time.sleep(0.05)
     assert threading.active_count() == before_threads, [t.name for t in threading.enumerate()]
     assert fds() == before_fds, "each connector round closes every socket it opened"
+
+
+def test_refusals_travel_as_typed_codes() -> None:
+    """A refusal's code is an ErrorCode on the wire and after decoding; an unknown code is refused."""
+    reply = decode_side(encode(ErrorReply(code=ErrorCode.NOT_HELD, message="anything at all")))
+    assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.NOT_HELD
+    read = decode_data(encode(ReadReply(batch_id=3, nbytes=0, error="why", code=ErrorCode.EXPIRED)))
+    assert isinstance(read, ReadReply) and read.code is ErrorCode.EXPIRED
+    assert decode_data(encode(ReadReply(batch_id=3, nbytes=8))).code is None  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_side(msgspec.msgpack.encode({"type": "error", "version": PROTOCOL_VERSION, "code": "no_such_code",
+                                            "message": "x"}))

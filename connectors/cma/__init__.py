@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,12 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
+    ReadRefused,
     check_bounds,
     check_read,
 )
-from kvxfer.protocol import ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.supervise import code_of, describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -166,36 +169,43 @@ class CmaDataPlane(HostRegionPlane):
         batch_id = next(self._ids)
         why = check_bounds(self._table, descriptors.local_region, descriptors.local_offset, descriptors.length)
         if why is not None or len(descriptors) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why))
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
         else:
             self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
         return batch_id
 
     def _run(self) -> None:
-        """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads."""
+        """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads.
+        Supervised: a failed read fails its batch, a failed connect or disconnect drops the
+        peer (its reads then fail as not connected); the thread goes on."""
         while (job := self._jobs.get()) is not None:
             kind, arg = job
-            if kind == "connect":
-                peer_id, peer = arg
-                old = self._peers.pop(peer_id, None)
-                if old is not None:
-                    old.dealer.close(linger=0)
-                peer.dealer = self._ctx.socket(zmq.DEALER)
-                peer.dealer.setsockopt(zmq.LINGER, 0)
-                peer.dealer.connect(peer.addr.control)
-                peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
-                self._peers[peer_id] = peer
-            elif kind == "disconnect":
-                old = self._peers.pop(arg, None)
-                if old is not None:
-                    old.dealer.close(linger=0)
-            else:
+            if kind == "read":
                 peer_id, request_id, batch_id, d = arg
                 try:
                     self._read(peer_id, request_id, batch_id, d)
-                    self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
                 except Exception as e:  # any failure fails the batch, named; the thread goes on
-                    self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: {e}"))
+                    if not isinstance(e, OSError | ReadRefused | ValueError):
+                        report("cma reads", e, f"read for {request_id} from {peer_id}")
+                    self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
+                                                    f"peer {peer_id}: {describe(e)}"))
+                else:
+                    self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
+                continue
+            peer_id = arg[0] if kind == "connect" else arg
+            try:
+                old = self._peers.pop(peer_id, None)
+                if old is not None:
+                    old.dealer.close(linger=0)
+                if kind == "connect":
+                    peer = arg[1]
+                    peer.dealer = self._ctx.socket(zmq.DEALER)
+                    peer.dealer.setsockopt(zmq.LINGER, 0)
+                    peer.dealer.connect(peer.addr.control)
+                    peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
+                    self._peers[peer_id] = peer
+            except Exception as e:
+                report("cma reads", e, f"{kind} {peer_id}")
         for p in self._peers.values():
             p.dealer.close(linger=0)
 
@@ -203,9 +213,11 @@ class CmaDataPlane(HostRegionPlane):
         peer = self._peers.get(peer_id)
         if peer is None:
             raise ConnectionError("not connected")
+        if self._closed:
+            raise ConnectionError("the plane is closed")
         pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
         if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
-            raise ValueError("a piece lies outside the producer's regions")
+            raise ReadRefused(ErrorCode.OUT_OF_BOUNDS, "a piece lies outside the producer's regions")
         req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
                           offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(), token=peer.token)
         peer.dealer.send(b"R" + encode(req))
@@ -220,7 +232,7 @@ class CmaDataPlane(HostRegionPlane):
             if isinstance(reply, ReadReply) and reply.batch_id == batch_id:
                 break
         if reply.error:
-            raise ValueError(f"read refused: {reply.error}")
+            raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
         used = np.unique(d.local_region)
         bases = np.array([self._regions[int(r)].address for r in used], dtype=np.uint64)
         local = np.empty((len(d), 2), dtype=np.uint64)
@@ -233,47 +245,74 @@ class CmaDataPlane(HostRegionPlane):
 
     # ------------------------------------------------------------------ producer
     def _serve(self) -> None:
+        """The grant thread (producer side). Supervised: only closing the plane ends it."""
         poller = zmq.Poller()
         poller.register(self._ctrl, zmq.POLLIN)
         while not self._closed:
             try:
-                if not poller.poll(100):
-                    continue
-                ident, payload = self._ctrl.recv_multipart(zmq.NOBLOCK)
-            except (zmq.ZMQError, ValueError):
-                continue
-            kind, body = payload[:1], payload[1:]
-            if kind == b"H":
-                self._names[ident] = body.decode(errors="replace")[:256]
-                continue
-            peer = self._names.get(ident, "a consumer that never said hello")
-            try:
-                msg = decode_data(body)
-            except Exception as e:  # malformed: logged once, unanswered
-                self._refuse_once(peer, f"undecodable grant request: {e}")
-                continue
-            if isinstance(msg, ReadRequest):
-                self._ctrl.send_multipart([ident, encode(self._grant(msg, peer))])
+                self._serve_one(poller)
+            except Exception as e:
+                if self._closed:
+                    break
+                report("cma grants", e)
+                time.sleep(0.01)
         self._ctrl.close(linger=0)
 
-    def _refuse_once(self, peer: str, why: str) -> None:
-        key = (peer, why.split(":")[0])
+    def _serve_one(self, poller: zmq.Poller) -> None:
+        try:
+            if not poller.poll(100):
+                return
+            parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        if len(parts) != 2:
+            return
+        ident, payload = parts
+        kind, body = payload[:1], payload[1:]
+        if kind == b"H":
+            self._names[ident] = body.decode(errors="replace")[:256]
+            return
+        peer = self._names.get(ident, "a consumer that never said hello")
+        try:
+            msg = decode_data(body)
+        except Exception as e:  # malformed: logged once, unanswered
+            self._refuse_once(peer, ErrorCode.BAD_MESSAGE, f"undecodable grant request: {e}")
+            return
+        if isinstance(msg, ReadRequest):
+            try:
+                reply = self._grant(msg, peer)
+            except Exception as e:  # a bug in the check: refused, named, and the next grant is served
+                report("cma grants", e, f"read for {msg.request_id} from {peer}")
+                reply = ReadReply(batch_id=msg.batch_id, nbytes=0, error=f"granting the read failed: {describe(e)}",
+                                  code=ErrorCode.INTERNAL)
+            self._ctrl.send_multipart([ident, encode(reply)])
+
+    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
+        key = (peer, code.value)
         if key not in self._refused:
             self._refused.add(key)
             logger.warning("cma data plane refused peer %s: %s", peer, why)
 
     def _grant(self, req: ReadRequest, peer: str) -> ReadReply:
         if self._token_checker is not None and not self._token_checker(req.token):
-            why: str | None = "no valid handshake token"
+            why: Refusal | None = Refusal(ErrorCode.AUTH, "no valid handshake token")
             nbytes = 0
         else:
             why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
             nbytes = d.nbytes
         if why:
-            self._refuse_once(peer, f"read for {req.request_id}: {why}")
-        return ReadReply(batch_id=req.batch_id, nbytes=nbytes, error=why or "")
+            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
+            return ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
+        return ReadReply(batch_id=req.batch_id, nbytes=nbytes)
 
     # ------------------------------------------------------------------ both
+    def broken(self) -> str | None:
+        if self._closed:
+            return "the plane is closed"
+        if not self._read_thread.is_alive():
+            return "its read thread stopped"
+        return None
+
     def close(self) -> None:
         if self._closed:
             return

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import BatchResult, DataPlane, Descriptors, ReadValidator, check_bounds
+from kvxfer.protocol import ErrorCode, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,11 @@ class LocalDataPlane(DataPlane):
     def set_read_validator(self, validator: ReadValidator) -> None:
         self._validator = validator
 
-    def _serve_check(self, request_id: str, d: Descriptors) -> str | None:
+    def _serve_check(self, request_id: str, d: Descriptors) -> Refusal | None:
         why = check_bounds(self._regions, d.remote_region, d.remote_offset, d.length)
-        if why is None and self._validator is not None:
-            why = self._validator(request_id, d)
-        return why
+        if why is not None:
+            return Refusal(ErrorCode.OUT_OF_BOUNDS, why)
+        return self._validator(request_id, d) if self._validator is not None else None
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         if self._closed:
@@ -84,13 +85,12 @@ class LocalDataPlane(DataPlane):
         peer = self._peers.get(peer_id)
         d = descriptors
         if peer is None or peer._closed:
-            error: str | None = f"peer {peer_id} is not connected"
+            error: Refusal | None = Refusal(ErrorCode.PEER_LOST, f"peer {peer_id} is not connected")
         else:
-            error = check_bounds(self._regions, d.local_region, d.local_offset, d.length)
-            if error is None:
-                error = peer._serve_check(request_id, d)
-                if error is not None:
-                    logger.warning("peer %s refused read for %s: %s", peer_id, request_id, error)
+            bounds = check_bounds(self._regions, d.local_region, d.local_offset, d.length)
+            error = Refusal(ErrorCode.OUT_OF_BOUNDS, bounds) if bounds else peer._serve_check(request_id, d)
+            if error is not None:
+                logger.warning("peer %s refused read for %s: %s", peer_id, request_id, error.message)
         if error is None:
             src_base = {i: r.address for i, r in peer._regions.items()}
             dst_base = {i: r.address for i, r in self._regions.items()}
@@ -99,8 +99,10 @@ class LocalDataPlane(DataPlane):
                 d.local_offset.tolist(), d.length.tolist(), strict=True,
             ):
                 ctypes.memmove(dst_base[lr] + lo, src_base[rr] + ro, n)
-        nbytes = d.nbytes if error is None else 0
-        self._results.append(BatchResult(batch_id, peer_id, request_id, nbytes, error))
+        if error is None:
+            self._results.append(BatchResult(batch_id, peer_id, request_id, d.nbytes))
+        else:
+            self._results.append(BatchResult.failed(batch_id, peer_id, request_id, error.code, error.message))
         if self._on_complete is not None:
             self._on_complete()
         return batch_id

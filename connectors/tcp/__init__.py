@@ -34,10 +34,12 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
+    ReadRefused,
     check_bounds,
     check_read,
 )
-from kvxfer.protocol import DataHello, ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import DataHello, ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.supervise import code_of, describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,7 @@ class _Batch:
     nbytes: int
     parts_left: int
     error: str | None = None
+    code: ErrorCode | None = None
 
 
 class _Stream:
@@ -183,18 +186,20 @@ class _Stream:
         return s
 
     def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                break
+        """Supervised: any exception fails this job's part (the connection is dropped, the next
+        job reconnects) and the stream goes on."""
+        while (job := self.jobs.get()) is not None:
             try:
                 if self.sock is None:
                     self.sock = self._connect()
                 self._do(self.sock, job)
-                self.plane._part_done(job, None)
-            except (OSError, ConnectionError, TimeoutError, ValueError) as e:
+            except Exception as e:
                 self._drop()
-                self.plane._part_done(job, f"peer {self.peer_id}: {type(e).__name__}: {e}")
+                if not isinstance(e, OSError | ReadRefused | ValueError):  # not a peer's doing: a bug
+                    report("tcp stream", e, f"read for {job.request_id} from {self.peer_id}")
+                self.plane._part_done(job, code_of(e), f"peer {self.peer_id}: {describe(e)}")
+            else:
+                self.plane._part_done(job, None, None)
         self._drop()
 
     def _do(self, sock: socket.socket, job: _Job) -> None:
@@ -206,7 +211,7 @@ class _Stream:
         if not isinstance(reply, ReadReply) or reply.batch_id != job.batch_id:
             raise ConnectionError(f"unexpected reply {type(reply).__name__}")
         if reply.error:
-            raise ValueError(f"read refused: {reply.error}")
+            raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
         if reply.nbytes != int(job.lengths.sum()):
             raise ConnectionError(f"reply announces {reply.nbytes} bytes, expected {int(job.lengths.sum())}")
         recv_pieces(sock, job.views, job.deadline)
@@ -275,23 +280,35 @@ class TcpDataPlane(HostRegionPlane):
             self._server_threads.append(t)
 
     def _accept_loop(self, srv: socket.socket) -> None:
+        """Supervised: only closing the plane ends it (an accept that fails, e.g. out of file
+        descriptors, is reported and tried again)."""
         srv.settimeout(0.2)
         while not self._closed.is_set():
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break
-            conn.settimeout(None)
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+            except Exception as e:
+                if self._closed.is_set():
+                    break
+                report("tcp accept", e)
+                time.sleep(0.05)
+                continue
+            try:
+                conn.settimeout(None)
+                if conn.family != socket.AF_UNIX:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with self._lock:
+                    self._conns.add(conn)
+                threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+            except Exception as e:
+                report("tcp accept", e, "starting a connection's server")
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
 
-    def _refuse_once(self, peer: str, why: str) -> None:
-        key = (peer, why.split(":")[0])
+    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
+        key = (peer, code.value)
         if key not in self._refused:
             self._refused.add(key)
             logger.warning("tcp data plane refused peer %s: %s", peer, why)
@@ -305,7 +322,7 @@ class TcpDataPlane(HostRegionPlane):
                 raise ConnectionError("first frame is not a hello")
             peer = hello.engine_id
             if self._token_checker is not None and not self._token_checker(hello.token):
-                self._refuse_once(peer, "connection without a valid handshake token: closed")
+                self._refuse_once(peer, ErrorCode.AUTH, "connection without a valid handshake token: closed")
                 return
             conn.settimeout(None)
             while not self._closed.is_set():
@@ -313,24 +330,32 @@ class TcpDataPlane(HostRegionPlane):
                 if not isinstance(req, ReadRequest):
                     raise ConnectionError(f"expected a read request, got {type(req).__name__}")
                 self._serve_read(conn, peer, req)
-        except (OSError, ConnectionError, ValueError) as e:
-            if not self._closed.is_set() and not isinstance(e, ConnectionError | ConnectionResetError):
-                self._refuse_once(peer, f"connection dropped: {e}")
+        except (OSError, ValueError) as e:  # the peer's doing (or closing): the connection ends
+            if not self._closed.is_set() and not isinstance(e, ConnectionError):
+                self._refuse_once(peer, ErrorCode.PEER_LOST, f"connection dropped: {e}")
+        except Exception as e:  # supervised: only this connection ends; the consumer reconnects
+            report("tcp serve", e, f"connection from {peer}")
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
     def _serve_read(self, conn: socket.socket, peer: str, req: ReadRequest) -> None:
-        why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths,
-                            allow_empty=True)
+        """One read: checked, then sent. An exception before the reply header is sent refuses
+        this read as ``internal`` and the connection serves the next one."""
+        try:
+            why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets,
+                                req.lengths, allow_empty=True)
+            views = self._views
+            pieces = [] if why else [views[r][o : o + k] for r, o, k in zip(
+                d.remote_region.tolist(), d.remote_offset.tolist(), d.length.tolist(), strict=True)]
+        except Exception as e:
+            report("tcp serve", e, f"read for {req.request_id} from {peer}")
+            why = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}")
         if why is not None:
-            self._refuse_once(peer, f"read for {req.request_id}: {why}")
-            send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=0, error=why)))
+            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
+            send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)))
             return
-        views = self._views
-        pieces = [views[r][o : o + k] for r, o, k in zip(d.remote_region.tolist(), d.remote_offset.tolist(),
-                                                         d.length.tolist(), strict=True)]
         send_frame(conn, encode(ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)))
         send_pieces(conn, pieces)
 
@@ -361,11 +386,14 @@ class TcpDataPlane(HostRegionPlane):
         d = descriptors
         with self._lock:
             streams = self._streams.get(peer_id)
-        why = None if streams else f"peer {peer_id} is not connected"
-        if why is None:
-            why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
+        if not streams:
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
+                                            f"peer {peer_id} is not connected"))
+            return batch_id
+        why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
         if why is not None or len(d) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why))
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why,
+                                     ErrorCode.OUT_OF_BOUNDS if why else None))
             return batch_id
         assert streams is not None
         # Split by bytes into one contiguous share per stream, but only for big pieces: with
@@ -389,18 +417,24 @@ class TcpDataPlane(HostRegionPlane):
             streams[i % len(streams)].jobs.put(job)
         return batch_id
 
-    def _part_done(self, job: _Job, error: str | None) -> None:
+    def _part_done(self, job: _Job, code: ErrorCode | None, error: str | None) -> None:
         with self._lock:
             b = self._batches.get(job.batch_id)
             if b is None:
                 return
             if error and b.error is None:
-                b.error = error
+                b.error, b.code = error, code
             b.parts_left -= 1
             if b.parts_left:
                 return
             del self._batches[job.batch_id]
-        self._finish(BatchResult(b.batch_id, b.peer_id, b.request_id, b.nbytes if b.error is None else 0, b.error))
+        self._finish(BatchResult(b.batch_id, b.peer_id, b.request_id, b.nbytes if b.error is None else 0, b.error,
+                                 b.code))
+
+    def broken(self) -> str | None:
+        if self._closed.is_set():
+            return "the plane is closed"
+        return None
 
     def close(self) -> None:
         if self._closed.is_set():

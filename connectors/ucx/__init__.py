@@ -49,6 +49,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -63,10 +64,12 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
+    ReadRefused,
     check_bounds,
     check_read,
 )
-from kvxfer.protocol import ReadReply, ReadRequest, decode_data, encode
+from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.supervise import code_of, describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -293,10 +296,24 @@ class _Runtime:
             await asyncio.sleep(0)
 
     def _progress(self) -> None:
-        if self.own_progress:
-            self.ucxx.progress()
+        """Progress every worker; supervised: a worker whose progress raises is reported and
+        progressed again on the next turn (the transfers on it fail at their deadlines)."""
+        try:
+            if self.own_progress:
+                self.ucxx.progress()
+        except Exception as e:
+            report("ucx progress", e, "the main worker")
         for worker in tuple(self.receive_workers):
-            worker.progress()
+            try:
+                worker.progress()
+            except Exception as e:
+                report("ucx progress", e, "a receive worker")
+
+    def broken(self) -> str | None:
+        """Why the runtime cannot go on: its event-loop thread stopped (or the loop closed)."""
+        if not self.thread.is_alive() or self.loop.is_closed():
+            return "the UCX event-loop thread stopped"
+        return None
 
 
 def gather_pieces(arrays: Mapping[int, np.ndarray], regions: np.ndarray, offsets: np.ndarray,
@@ -485,11 +502,13 @@ class UcxDataPlane(HostRegionPlane):
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
         d = descriptors
-        why = None if peer_id in self._peers else f"peer {peer_id} is not connected"
-        if why is None:
-            why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
+        if peer_id not in self._peers:
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
+                                            f"peer {peer_id} is not connected"))
+            return batch_id
+        why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
         if why is not None or len(d) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why))
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
             return batch_id
         self.rt.submit(self._read(peer_id, request_id, batch_id, d))
         return batch_id
@@ -497,7 +516,8 @@ class UcxDataPlane(HostRegionPlane):
     async def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
         peer = self._peers.get(peer_id)
         if peer is None:  # dropped since read() looked
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id} is not connected"))
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
+                                            f"peer {peer_id} is not connected"))
             return
         ep, receiver = peer.endpoint, peer.receiver
         staged = d.nbytes / len(d) < self.staging_threshold
@@ -519,17 +539,26 @@ class UcxDataPlane(HostRegionPlane):
             async with self.rt.active():
                 await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
             self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10, one from 3.11
             # the receive worker stops before anyone may reuse the destination blocks
             if self._peers.get(peer_id) is peer:
                 await self._drop(peer_id)
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0,
-                                     f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.TIMEOUT,
+                                            f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
         except asyncio.CancelledError:  # by _renew_receiver: another peer was dropped mid-read
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: read cancelled: its "
-                                     "receive worker was retired when another peer was dropped mid-read"))
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.CANCELLED,
+                                            f"peer {peer_id}: read cancelled: its receive worker was retired "
+                                            "when another peer was dropped mid-read"))
+        except ReadRefused as e:  # nothing was posted beyond the header: no byte can land later
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, e.code, f"peer {peer_id}: {e}"))
         except Exception as e:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, f"peer {peer_id}: {type(e).__name__}: {e}"))
+            # receives may still be posted into the destination: stop the receive worker first
+            if not isinstance(e, OSError | ValueError):
+                report("ucx read", e, f"read for {request_id} from {peer_id}")
+            if self._peers.get(peer_id) is peer:
+                await self._drop(peer_id)
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
+                                            f"peer {peer_id}: {describe(e)}"))
         finally:
             receiver.reads.discard(task)
             peer.reading -= 1
@@ -542,7 +571,7 @@ class UcxDataPlane(HostRegionPlane):
         if not isinstance(reply, ReadReply):
             raise ConnectionError(f"unexpected reply {type(reply).__name__}")
         if reply.error:
-            raise ValueError(f"read refused: {reply.error}")
+            raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
         if staged:
             buf = np.empty(min(self.chunk_bytes, max(d.nbytes, 1)) + max(int(d.length.max()), 0), dtype=np.uint8)
             for a, b in _chunks(d.length, self.chunk_bytes):
@@ -564,38 +593,45 @@ class UcxDataPlane(HostRegionPlane):
         poller.register(self._ctrl, zmq.POLLIN)
         while not self._closed:
             try:
-                if not poller.poll(100):
-                    continue
-                parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
+                self._control_one(poller)
+            except Exception as e:  # supervised: only closing the plane ends this thread
                 if self._closed:
                     break
-                continue
-            if len(parts) != 2 or not parts[1]:
-                continue
-            kind, payload = parts[1][:1], parts[1][1:]
-            try:
-                if kind == b"H":
-                    # done before the next message: a read must find the endpoint back in place
-                    self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=_Hello))).result(
-                        timeout=self.timeout_s)
-                elif kind == b"R":
-                    msg = decode_data(payload)
-                    if isinstance(msg, ReadRequest):
-                        self.rt.submit(self._serve(msg))
-            except Exception as e:
-                self._refuse_once("?", f"control message refused: {e}")
+                report("ucx control", e)
+                time.sleep(0.01)
         self._ctrl.close(linger=0)
 
-    def _refuse_once(self, peer: str, why: str) -> None:
-        key = (peer, why.split(":")[0])
+    def _control_one(self, poller: zmq.Poller) -> None:
+        try:
+            if not poller.poll(100):
+                return
+            parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        if len(parts) != 2 or not parts[1]:
+            return
+        kind, payload = parts[1][:1], parts[1][1:]
+        try:
+            if kind == b"H":
+                # done before the next message: a read must find the endpoint back in place
+                self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=_Hello))).result(
+                    timeout=self.timeout_s)
+            elif kind == b"R":
+                msg = decode_data(payload)
+                if isinstance(msg, ReadRequest):
+                    self.rt.submit(self._serve(msg))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            self._refuse_once("?", ErrorCode.BAD_MESSAGE, f"control message refused: {e}")
+
+    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
+        key = (peer, code.value)
         if key not in self._refused:
             self._refused.add(key)
             logger.warning("ucx data plane refused peer %s: %s", peer, why)
 
     async def _on_hello(self, hello: _Hello) -> None:
         if self._token_checker is not None and not self._token_checker(hello.token):
-            self._refuse_once(hello.engine_id, "connection without a valid handshake token: ignored")
+            self._refuse_once(hello.engine_id, ErrorCode.AUTH, "connection without a valid handshake token: ignored")
             return
         key = (hello.worker, hello.plane)
         old = self._clients.pop(key, None)
@@ -628,29 +664,39 @@ class UcxDataPlane(HostRegionPlane):
         try:
             worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self._refuse_once("?", "read request without a reply address")
+            self._refuse_once("?", ErrorCode.BAD_MESSAGE, "read request without a reply address")
             return
         async with self.rt.active():
             try:
                 await asyncio.wait_for(self._serve_read(req, (worker, plane), chunk), self.timeout_s)
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10
                 name = self._forget_client((worker, plane))
                 logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
                                self.plane_id, req.request_id, name, self.timeout_s)
+            except Exception as e:  # supervised: this reply is given up; the next read is served
+                report("ucx serve", e, f"read for {req.request_id}")
 
     async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
         worker, plane = client
         ep = self._clients.get(client)
         peer = self._client_names.get(client, f"unknown worker ({len(worker)}-byte address)")
         if ep is None:
-            self._refuse_once(peer, "read request from a consumer that never said hello (or was refused)")
+            self._refuse_once(peer, ErrorCode.AUTH, "read request from a consumer that never said hello (or was "
+                              "refused)")
             return
         tag = self.ucxx.types.Tag
-        why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
+        try:
+            why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets,
+                                req.lengths)
+        except Exception as e:  # refused as internal: the consumer hears at once, not at its deadline
+            report("ucx serve", e, f"read for {req.request_id} from {peer}")
+            why, d = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}"), Descriptors.from_rows([])
         regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
-        reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes, error=why or "")
         if why:
-            self._refuse_once(peer, f"read for {req.request_id}: {why}")
+            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
+            reply = ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
+        else:
+            reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)
         payload = encode(reply)
         header = np.zeros(HEADER_BYTES, dtype=np.uint8)
         header[: 4 + len(payload)] = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
@@ -673,9 +719,14 @@ class UcxDataPlane(HostRegionPlane):
                     await asyncio.gather(*(ep.send(v, tag=data_tag, force_tag=True)
                                            for v in views[i : i + self.inflight]))
         except Exception as e:
-            self._refuse_once(peer, f"send for {req.request_id} failed: {e}")
+            self._refuse_once(peer, ErrorCode.PEER_LOST, f"send for {req.request_id} failed: {e}")
 
     # ------------------------------------------------------------------ both
+    def broken(self) -> str | None:
+        if self._closed:
+            return "the plane is closed"
+        return self.rt.broken()
+
     def close(self) -> None:
         if self._closed:
             return

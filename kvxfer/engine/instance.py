@@ -358,7 +358,7 @@ class Instance:
         for rank, r in enumerate(self._on_all(Poll())):
             assert r.finished is not None
             w = r.finished
-            f.extend(self.finished.add(rank, Finished(w.sending, w.receiving, w.failed, w.errors)))
+            f.extend(self.finished.add(rank, Finished(w.sending, w.receiving, w.failed, w.errors, w.codes)))
         for rid in f.sending:  # prefill side: the readers are done with these blocks
             seq = self.held.pop(rid, None)
             if seq is not None and rid in self.bm.requests:

@@ -21,7 +21,7 @@ from kvxfer.config import InstanceConfig
 from kvxfer.connector import Connector
 from kvxfer.engine.model import Span, Transformer
 from kvxfer.metrics import MetricsServer
-from kvxfer.protocol import KVTransferParams
+from kvxfer.protocol import ErrorCode, KVTransferParams
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 
@@ -100,6 +100,7 @@ class FinishedMsg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     receiving: list[str]
     failed: dict[str, list[int]]
     errors: dict[str, str]
+    codes: dict[str, ErrorCode] = {}
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -201,6 +202,7 @@ class Worker:
                 logger.warning("rank %d: request %s: cannot load: %s", self.rank, cmd.request_id, e)
                 self.refused.failed[cmd.request_id] = list(cmd.block_ids)
                 self.refused.errors[cmd.request_id] = str(e)
+                self.refused.codes[cmd.request_id] = ErrorCode.BAD_PARAMS
         else:
             conn.abandon(cmd.request_id, params, cmd.reason)
         return Reply()
@@ -230,7 +232,7 @@ class Worker:
         if self.refused:
             f.extend(self.refused)
             self.refused = Finished()
-        return FinishedMsg(sending=f.sending, receiving=f.receiving, failed=f.failed, errors=f.errors)
+        return FinishedMsg(sending=f.sending, receiving=f.receiving, failed=f.failed, errors=f.errors, codes=f.codes)
 
     def dump_kv(self, block_ids: list[int]) -> bytes:
         """Token-major K and V of ``block_ids``: [local layers, 2, tokens, local heads, head size]."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvxfer.protocol import ErrorCode
+
 
 @dataclass
 class Finished:
@@ -17,7 +19,8 @@ class Finished:
     sending: list[str] = field(default_factory=list)
     receiving: list[str] = field(default_factory=list)
     failed: dict[str, list[int]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # why each failed request failed
+    errors: dict[str, str] = field(default_factory=dict)  # why each failed request failed, for people
+    codes: dict[str, ErrorCode] = field(default_factory=dict)  # why each failed request failed, for code
 
     def __bool__(self) -> bool:
         return bool(self.sending or self.receiving or self.failed)
@@ -28,6 +31,7 @@ class Finished:
         for rid, ids in other.failed.items():
             self.failed.setdefault(rid, []).extend(ids)
         self.errors.update(other.errors)
+        self.codes.update(other.codes)
 
 
 class FinishedAggregator:
@@ -40,7 +44,7 @@ class FinishedAggregator:
         self._sending: dict[str, set[int]] = {}
         self._receiving: dict[str, set[int]] = {}
         self._failed: dict[str, list[int]] = {}
-        self._errors: dict[str, str] = {}
+        self._errors: dict[str, tuple[str, ErrorCode]] = {}  # the first worker's reason for a failed request
 
     def add(self, worker: int, finished: Finished) -> Finished:
         if not 0 <= worker < self.world_size:
@@ -58,12 +62,13 @@ class FinishedAggregator:
             if rid in finished.failed:
                 self._failed.setdefault(rid, []).extend(finished.failed[rid])
                 if rid in finished.errors:
-                    self._errors.setdefault(rid, finished.errors[rid])
+                    self._errors.setdefault(rid, (finished.errors[rid],
+                                                  finished.codes.get(rid, ErrorCode.INTERNAL)))
             if len(seen) == self.world_size:
                 del self._receiving[rid]
                 if rid in self._failed:
                     out.failed[rid] = sorted(set(self._failed.pop(rid)))
-                    out.errors[rid] = self._errors.pop(rid, "")
+                    out.errors[rid], out.codes[rid] = self._errors.pop(rid, ("", ErrorCode.INTERNAL))
                 else:
                     out.receiving.append(rid)
         return out

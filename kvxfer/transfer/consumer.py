@@ -27,6 +27,7 @@ from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import (
     Abandon,
     DoneNotice,
+    ErrorCode,
     ErrorReply,
     HandshakeResponse,
     KVTransferParams,
@@ -34,6 +35,7 @@ from kvxfer.protocol import (
     RemoteRank,
     compat_hash,
 )
+from kvxfer.supervise import code_of, describe, report
 from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible, readers_of, remote_sources
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.planner import (
@@ -45,16 +47,22 @@ from kvxfer.transfer.planner import (
     plan_direct,
     plan_staged,
 )
-from kvxfer.transfer.producer import NOT_HELD
 
 logger = logging.getLogger(__name__)
 
 STAGING_REGION_BASE = 1 << 30
 READ_AGAIN_AFTER_S = 0.02  # a read refused as "not held" is sent again this soon (within hold_wait_s)
+BROKEN_AFTER_POLL_ERRORS = 20  # the plane's poll raising on this many turns in a row (about a second): broken
+MAX_RENEW_IDS = 4096  # request ids in one LeaseRenew (the protocol's limit)
+JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, retries)
 
 
 class LoadFailed(RuntimeError):
-    pass
+    """A load cannot go on; ``code`` says why for code, the message for people."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_PARAMS) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -69,22 +77,39 @@ class Peer:
     port: int
 
 
-@dataclass
+@dataclass(eq=False)
+class Batch:
+    """One read of a load from one producer rank: the single record of it while it is outstanding.
+
+    In flight on the data plane (``batch_id`` set, indexed in ``Consumer._in_flight``) or
+    refused as "not held" and waiting to be read again (``read_again_at`` set, in
+    ``Consumer._read_again``); never both. Worker thread only."""
+
+    load: Load
+    peer_id: str
+    descs: Descriptors
+    batch_id: int | None = None
+    read_again_at: float | None = None
+
+
+@dataclass(eq=False)
 class Load:
+    """One request being loaded. Made by ``start_load`` (engine thread); from then on its mutable
+    fields belong to the worker thread."""
+
     request_id: str
     params: KVTransferParams
     local_blocks_full: np.ndarray  # one id per local block of the prompt, prefix hits included
     skip_tokens: int
     deadline: float
-    batches: dict[int, tuple[str, Descriptors]] = field(default_factory=dict)  # batch id -> (peer id, pieces)
+    local_block_size: int = 1
+    batches: list[Batch] = field(default_factory=list)  # outstanding reads
     staged: list[tuple[StagedPlan, Peer]] = field(default_factory=list)
     peers: dict[int, Peer] = field(default_factory=dict)  # remote rank -> peer
-    error: str | None = None
+    failure: tuple[ErrorCode, str] | None = None  # the first failed read; reported once none is outstanding
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)
-    local_block_size: int = 1
-    retrying: int = 0  # batches refused as "not held", to be read again
-    hold_wait_until: float = 0.0  # no more such retries after this (consumer clock)
+    hold_wait_until: float = 0.0  # no more "not held" retries after this (consumer clock)
 
     @property
     def invalid_blocks(self) -> list[int]:
@@ -92,8 +117,58 @@ class Load:
         return self.local_blocks_full[self.skip_tokens // self.local_block_size :].tolist()
 
 
+# ---------------------------------------------------------------- the worker's jobs (engine -> worker)
+@dataclass
+class _BeginLoad:
+    load: Load
+
+
+@dataclass
+class _AbandonRequest:
+    request_id: str
+    params: KVTransferParams
+    reason: str
+
+
+class _RenewNow:
+    """A request started waiting: renew its holds now (the lease may be short and half spent)."""
+
+
+class _Wake:
+    """The data plane finished a batch: poll it now rather than at the next tick."""
+
+
+class _Stop:
+    pass
+
+
+Job = _BeginLoad | _AbandonRequest | _RenewNow | _Wake | _Stop
+
+
+@dataclass
+class _Notice:
+    """A side-channel message to one producer rank (worker -> notifier thread)."""
+
+    rank: RemoteRank
+    msg: DoneNotice | Abandon | LeaseRenew
+
+
 class Consumer:
-    """Loads requests into this rank's cache; thread-safe entry points, one worker thread."""
+    """Loads requests into this rank's cache: thread-safe entry points, one worker thread.
+
+    Threads and what each owns:
+    - the engine's thread calls ``start_load``, ``wait``, ``abandon``, ``poll`` and ``close``;
+    - the worker thread (``_run``) owns ``_peers``, ``_in_flight``, ``_read_again``, every
+      ``Load``'s mutable fields and every ``Batch``; it alone calls the data plane (but for
+      the completion callback, which only queues a ``_Wake``);
+    - the notifier thread (``_notify_loop``) sends ``_Notice``s; it owns nothing else.
+    ``_loads``, ``_waiting``, ``_done`` and ``_broken`` are shared: read and written under ``_lock``.
+
+    Supervision: an exception in one step of the worker fails only the loads it touched
+    (reported with their block ids and the exception named) and the worker goes on. A plane
+    that says it is ``broken`` (or whose ``poll`` keeps raising) fails every pending and later
+    load at once; if the worker thread itself ever stops, ``poll`` does the same.
+    """
 
     def __init__(self, engine_id: str, rank: int, layout: ParallelLayout, tp_rank: int, pp_rank: int,
                  cache: KVCache, plane: DataPlane, client: SideChannelClient, secret: bytes | None,
@@ -122,18 +197,20 @@ class Consumer:
         self.local_side = SideLayout.from_cache(cache)
         self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
         self._peers: dict[tuple[str, int], Peer] = {}  # (engine, rank) -> latest generation's peer
+        self._in_flight: dict[int, Batch] = {}  # the plane's batch id -> the read
+        self._read_again: list[Batch] = []
+        self._poll_errors = 0  # the plane's poll raised this many turns in a row
         self._loads: dict[str, Load] = {}
-        self._batch_loads: dict[int, Load] = {}  # data-plane batch id -> its load (consumer thread only)
         self._waiting: dict[str, KVTransferParams] = {}
         self._done = Finished()
+        self._broken: str | None = None  # why loading cannot go on on this rank
         self._ready = threading.Event()  # set whenever _done gains something
-        self._jobs: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._notices: queue.Queue[tuple[RemoteRank, object] | None] = queue.Queue()
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._notices: queue.Queue[_Notice | None] = queue.Queue()
         self._lock = threading.Lock()
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
-        self._retries: list[tuple[float, Load, str, Descriptors]] = []  # (when, load, peer id, pieces)
         self._stop = threading.Event()
-        plane.set_completion_callback(lambda: self._jobs.put(("wake", None)))
+        plane.set_completion_callback(lambda: self._jobs.put(_Wake()))
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
         self._worker.start()
@@ -168,24 +245,24 @@ class Consumer:
                         local_block_size=L)
             self._loads[request_id] = load
             self.stats.load_started()
-        self._jobs.put(("load", load))
+        self._jobs.put(_BeginLoad(load))
+        self._check_worker()  # a stopped worker would never begin it: fail it now
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request waits in the decode queue: keep its producer holds alive until loaded."""
         with self._lock:
             self._waiting[request_id] = params
-        self._jobs.put(("renew", None))  # renew now: the lease may be short and half spent
+        self._jobs.put(_RenewNow())
 
     def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
         """The request will not be loaded: tell the producers to free it now."""
         with self._lock:
             self._waiting.pop(request_id, None)
-        for r in params.ranks:
-            self._notices.put((r, Abandon(request_id=params.request_id, generation=r.generation, reason=reason,
-                                          token=self._token_for(params.engine_id, r))))
+        self._jobs.put(_AbandonRequest(request_id, params, reason))  # the worker knows the peers' tokens
 
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """What finished since the last call; with a timeout, wait (GIL released) for something."""
+        self._check_worker()
         if timeout_s > 0:
             self._ready.wait(timeout_s)
         with self._lock:
@@ -193,36 +270,113 @@ class Consumer:
             self._ready.clear()
         return out
 
+    @property
+    def broken(self) -> str | None:
+        """Why this rank cannot load any more (every load fails at once), or None."""
+        with self._lock:
+            return self._broken
+
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(("stop", None))
+        self._jobs.put(_Stop())
         self._notices.put(None)
         self._worker.join(timeout=10)
         self._notifier.join(timeout=10)
+
+    def _check_worker(self) -> None:
+        """The engine's own guarantee that nothing hangs: if the worker thread has stopped
+        (it should not: every step is supervised), fail every load it would have finished."""
+        if self._worker.is_alive() or self._stop.is_set():
+            return
+        with self._lock:
+            loads = list(self._loads.values())
+            if self._broken is None:
+                self._broken = "the consumer's worker thread stopped"
+                logger.error("rank %d: %s; every load on this rank fails from now on", self.rank, self._broken)
+        for load in loads:  # no other thread touches them now
+            self._report_failed(load, ErrorCode.PLANE_BROKEN, f"cannot load: {self._broken}")
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         next_renew = self.clock() + self.lease_s / 3
         while not self._stop.is_set():
             try:
-                kind, obj = self._jobs.get(timeout=0.05)
+                job: Job | None = self._jobs.get(timeout=JOB_WAIT_S)
             except queue.Empty:
-                kind, obj = "tick", None
-            if kind == "stop":
+                job = None
+            if isinstance(job, _Stop):
                 break
-            if kind == "load":
-                assert isinstance(obj, Load)
-                self._begin(obj)
-            elif kind == "renew":
-                next_renew = self.clock()
-            for res in self.plane.poll():
-                self._on_batch(res)
-            now = self.clock()
-            self._read_again(now)
-            self._check_deadlines(now)
-            if now >= next_renew:
-                self._renew_waiting()
-                next_renew = now + self._renew_interval()
+            try:
+                next_renew = self._turn(job, next_renew)
+            except Exception as e:  # a bug outside the guarded steps: logged, and the worker goes on
+                report("consumer worker", e)
+
+    def _turn(self, job: Job | None, next_renew: float) -> float:
+        """One turn of the worker: the job, the plane's finished batches, retries, deadlines, renewals."""
+        if isinstance(job, _BeginLoad):
+            self._begin(job.load)
+        elif isinstance(job, _AbandonRequest):
+            self._abandon(job)
+        elif isinstance(job, _RenewNow):
+            next_renew = self.clock()
+        self._poll_plane()
+        self._check_broken()
+        now = self.clock()
+        self._issue_read_again(now)
+        self._check_deadlines(now)
+        if now >= next_renew:
+            self._renew_waiting()
+            next_renew = now + self._renew_interval()
+        return next_renew
+
+    def _poll_plane(self) -> None:
+        try:
+            results = self.plane.poll()
+        except Exception as e:
+            # what the plane finished may be lost with the exception: fail every load with a read
+            # in flight (their peers are dropped first, so nothing more lands in their blocks)
+            self._poll_errors += 1
+            report("consumer worker: data plane poll", e)
+            loads = {b.load for b in self._in_flight.values()}
+            for load in loads:
+                self._fail(load, code_of(e), f"the data plane's poll failed: {describe(e)} (the results of "
+                           "reads in flight may be lost)")
+            if self._poll_errors >= BROKEN_AFTER_POLL_ERRORS:
+                self._set_broken(f"the {self.plane.name} data plane's poll raised {self._poll_errors} times in a "
+                                 f"row (last: {describe(e)})")
+            return
+        self._poll_errors = 0
+        for res in results:
+            batch = self._in_flight.pop(res.batch_id, None)
+            if batch is None:
+                continue  # a batch of a load that already failed
+            try:
+                self._on_batch(batch, res)
+            except Exception as e:
+                report("consumer worker: batch result", e, f"request {batch.load.request_id}")
+                self._fail(batch.load, code_of(e), f"handling a finished read failed: {describe(e)}")
+
+    def _check_broken(self) -> None:
+        if self.broken is None:
+            try:
+                why = self.plane.broken()
+            except Exception as e:
+                why = f"its broken() check raised {describe(e)}"
+            if why is not None:
+                self._set_broken(f"the {self.plane.name} data plane cannot go on: {why}")
+        if self.broken is not None:
+            with self._lock:
+                loads = list(self._loads.values())
+            for load in loads:
+                self._fail(load, ErrorCode.PLANE_BROKEN, f"cannot load: {self._broken}")
+
+    def _set_broken(self, why: str) -> None:
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = why
+        self.stats.set_broken(why)
+        logger.error("rank %d: %s; every pending and later load on this rank fails at once", self.rank, why)
 
     def _peer(self, engine_id: str, r: RemoteRank, params: KVTransferParams) -> Peer:
         key = (engine_id, r.rank)
@@ -247,10 +401,11 @@ class Consumer:
     def _check_peer(self, meta: HandshakeResponse, engine_id: str, r: RemoteRank, params: KVTransferParams) -> None:
         if meta.engine_id != engine_id or meta.rank != r.rank:
             raise HandshakeError(f"{r.host}:{r.port} is {meta.engine_id} rank {meta.rank}, "
-                                 f"expected {engine_id} rank {r.rank}")
+                                 f"expected {engine_id} rank {r.rank}", ErrorCode.BAD_PARAMS)
         if meta.generation != r.generation:
             raise HandshakeError(f"producer {engine_id} rank {r.rank} restarted: params are for generation "
-                                 f"{r.generation}, it now serves {meta.generation}; its blocks are gone")
+                                 f"{r.generation}, it now serves {meta.generation}; its blocks are gone",
+                                 ErrorCode.STALE_GENERATION)
         local = self.cache.spec
         mine = compat_hash(self.model, self.layout.num_layers, self.layout.num_kv_heads, local.head_size,
                            local.dtype, local.mla)
@@ -261,93 +416,113 @@ class Consumer:
                 ("head_size", local.head_size, meta.spec.head_size), ("dtype", local.dtype, meta.spec.dtype),
                 ("mla", local.mla, meta.spec.mla)) if a != b]
             raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: " + ("; ".join(diffs) or
-                                 f"compatibility hash {meta.compat_hash} != {mine}"))
+                                 f"compatibility hash {meta.compat_hash} != {mine}"), ErrorCode.INCOMPATIBLE)
         if meta.spec.kv_fused != local.kv_fused:
             raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: kv_fused: local {local.kv_fused}, "
-                                 f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)")
+                                 f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)",
+                                 ErrorCode.INCOMPATIBLE)
         rbs, lbs = meta.spec.block_size, local.block_size
         if local.kv_fused and rbs != lbs:
             raise HandshakeError(f"producer {engine_id} rank {r.rank}: fused caches (vLLM's CPU layout) move whole "
                                  f"blocks in the engine's own token order: block sizes must match (local {lbs}, "
-                                 f"remote {rbs})")
+                                 f"remote {rbs})", ErrorCode.INCOMPATIBLE)
         if max(rbs, lbs) % min(rbs, lbs):
-            raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)")
+            raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)",
+                                 ErrorCode.INCOMPATIBLE)
 
     def _begin(self, load: Load) -> None:
+        if self._broken is not None:
+            self._fail(load, ErrorCode.PLANE_BROKEN, f"cannot load: {self._broken}")
+            return
         try:
-            params = load.params
-            slices = remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout)
-            by_rank: dict[int, list[SourceSlice]] = {}
-            for s in slices:
-                by_rank.setdefault(s.remote_rank, []).append(s)
-            ranks = {r.rank: r for r in params.ranks}
-            remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
-            for rr, sls in by_rank.items():
-                if rr not in ranks:
-                    raise LoadFailed(f"params name no address for producer rank {rr}")
-                peer = self._peer(params.engine_id, ranks[rr], params)
-                load.peers[rr] = peer
-                parts: list[Descriptors] = []
-                for s in sls:
-                    if peer.side.layout == self.local_side.layout:
-                        parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
-                                                 load.skip_tokens, params.num_tokens))
-                    else:
-                        rid = next(self._staging_ids)
-                        d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
-                        st = plan.staging
-                        self.plane.register([MemoryRegion(region_id=rid, address=st.data_ptr(), length=st.numel(),
-                                                          block_stride=st.numel(), num_blocks=1,
-                                                          layers=(0, 0), kind="KV")])
-                        load.staged.append((plan, peer))
-                        parts.append(d)
-                descs = concat(parts)
-                self.stats.planned(len(descs))
-                load.nbytes += descs.nbytes
-                self._issue(load, peer.peer_id, descs)
-        except (HandshakeError, LoadFailed, ValueError, ConnectionError) as e:
-            self._fail(load, str(e))
+            self._plan_and_issue(load)
+        except Exception as e:  # handshake, plan, or the plane's connect/register/read: this load fails
+            if isinstance(e, HandshakeError | LoadFailed):
+                self._fail(load, e.code, str(e))
+            elif isinstance(e, ValueError):  # the planner's refusals: shapes that do not map
+                self._fail(load, ErrorCode.INCOMPATIBLE, str(e))
+            else:
+                report("consumer worker: begin load", e, f"request {load.request_id}")
+                self._fail(load, code_of(e), describe(e))
             return
         if not load.batches:
             self._complete(load)
 
-    def _issue(self, load: Load, peer_id: str, descs: Descriptors) -> None:
-        # the producer knows the request by its own id, which may differ from ours
-        batch = self.plane.read(peer_id, load.params.request_id, descs)
-        load.batches[batch] = (peer_id, descs)
-        self._batch_loads[batch] = load
+    def _plan_and_issue(self, load: Load) -> None:
+        params = load.params
+        slices = remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout)
+        by_rank: dict[int, list[SourceSlice]] = {}
+        for s in slices:
+            by_rank.setdefault(s.remote_rank, []).append(s)
+        ranks = {r.rank: r for r in params.ranks}
+        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
+        for rr, sls in by_rank.items():
+            if rr not in ranks:
+                raise LoadFailed(f"params name no address for producer rank {rr}")
+            peer = self._peer(params.engine_id, ranks[rr], params)
+            load.peers[rr] = peer
+            parts: list[Descriptors] = []
+            for s in sls:
+                if peer.side.layout == self.local_side.layout:
+                    parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
+                                             load.skip_tokens, params.num_tokens))
+                else:
+                    rid = next(self._staging_ids)
+                    d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
+                    st = plan.staging
+                    self.plane.register([MemoryRegion(region_id=rid, address=st.data_ptr(), length=st.numel(),
+                                                      block_stride=st.numel(), num_blocks=1,
+                                                      layers=(0, 0), kind="KV")])
+                    load.staged.append((plan, peer))
+                    parts.append(d)
+            descs = concat(parts)
+            self.stats.planned(len(descs))
+            load.nbytes += descs.nbytes
+            batch = Batch(load, peer.peer_id, descs)
+            load.batches.append(batch)
+            self._issue(batch)
 
-    def _read_again(self, now: float) -> None:
-        due = [r for r in self._retries if r[0] <= now]
+    def _issue(self, batch: Batch) -> None:
+        """Hand a read to the data plane (raises what the plane raises; the caller fails the load)."""
+        # the producer knows the request by its own id, which may differ from ours
+        batch.read_again_at = None
+        batch.batch_id = self.plane.read(batch.peer_id, batch.load.params.request_id, batch.descs)
+        self._in_flight[batch.batch_id] = batch
+
+    def _issue_read_again(self, now: float) -> None:
+        if not self._read_again:
+            return
+        due = [b for b in self._read_again if b.read_again_at is not None and b.read_again_at <= now]
         if not due:
             return
-        self._retries = [r for r in self._retries if r[0] > now]
-        for _, load, peer_id, descs in due:
-            load.retrying -= 1
-            if self._loads.get(load.request_id) is load and load.error is None:
-                self._issue(load, peer_id, descs)
+        self._read_again = [b for b in self._read_again if b not in due]
+        for batch in due:
+            try:
+                self._issue(batch)
+            except Exception as e:
+                report("consumer worker: read again", e, f"request {batch.load.request_id}")
+                self._fail(batch.load, code_of(e), f"reading again failed: {describe(e)}")
 
-    def _on_batch(self, res: BatchResult) -> None:
-        load = self._batch_loads.pop(res.batch_id, None)
-        if load is None or res.batch_id not in load.batches:
-            return
-        _, descs = load.batches.pop(res.batch_id)
+    def _on_batch(self, batch: Batch, res: BatchResult) -> None:
+        load = batch.load
+        batch.batch_id = None
         now = self.clock()
-        if not res.ok and NOT_HELD in (res.error or "") and load.error is None:
+        if not res.ok and res.code is ErrorCode.NOT_HELD and load.failure is None:
             if not load.hold_wait_until:
                 load.hold_wait_until = now + self.hold_wait_s
             if now < load.hold_wait_until:  # the producer's hold may not be made yet: read again soon
                 logger.debug("request %s: %s; reading again", load.request_id, res.error)
-                load.retrying += 1
-                self._retries.append((now + READ_AGAIN_AFTER_S, load, res.peer_id, descs))
+                batch.read_again_at = now + READ_AGAIN_AFTER_S
+                self._read_again.append(batch)
                 return
+        load.batches.remove(batch)
         if not res.ok:
-            if load.error is None:
-                load.error = res.error
+            if load.failure is None:
+                load.failure = (res.code or ErrorCode.INTERNAL, res.error or "read failed")
             self._forget(res.peer_id)  # the next load handshakes again, on a fresh connection
-        if not load.batches and not load.retrying:
-            if load.error is not None:
-                self._fail(load, load.error)
+        if not load.batches:
+            if load.failure is not None:
+                self._fail(load, *load.failure)
             else:
                 self._complete(load)
 
@@ -355,26 +530,29 @@ class Consumer:
         with self._lock:
             late = [ld for ld in self._loads.values() if ld.deadline <= now]
         for load in late:
-            # stop the data plane writing into these blocks before we call them invalid
-            for peer_id in {peer_id for peer_id, _ in load.batches.values()}:
-                self._forget(peer_id)
-            self._drop_batches(load)
-            self._fail(load, f"not loaded within {self.transfer_s:g}s", timed_out=True)
+            self._fail(load, ErrorCode.TIMEOUT, f"not loaded within {self.transfer_s:g}s", timed_out=True)
 
     def _drop_batches(self, load: Load) -> None:
-        for batch in load.batches:
-            self._batch_loads.pop(batch, None)
+        """Forget a load's outstanding reads; the peers of those still in flight are dropped
+        first, so that the data plane writes nothing more into blocks about to be called invalid."""
+        for peer_id in {b.peer_id for b in load.batches if b.batch_id is not None}:
+            self._forget(peer_id)
+        for b in load.batches:
+            if b.batch_id is not None:
+                self._in_flight.pop(b.batch_id, None)
+        if any(b.read_again_at is not None for b in load.batches):
+            self._read_again = [b for b in self._read_again if b.load is not load]
         load.batches.clear()
-        if load.retrying:
-            self._retries = [r for r in self._retries if r[1] is not load]
-            load.retrying = 0
 
     def _forget(self, peer_id: str) -> None:
         """Close the data path to a peer and drop what the handshake told us of it."""
-        self.plane.disconnect(peer_id)
         for key, p in list(self._peers.items()):
             if p.peer_id == peer_id:
                 del self._peers[key]
+        try:
+            self.plane.disconnect(peer_id)
+        except Exception as e:
+            report("consumer worker: disconnect", e, f"peer {peer_id}")
 
     def _complete(self, load: Load) -> None:
         try:
@@ -383,20 +561,23 @@ class Consumer:
                               load.params.num_tokens)
             if self.on_loaded is not None:
                 self.on_loaded(load.invalid_blocks)
-        except (ValueError, RuntimeError) as e:
-            self._fail(load, f"repack failed: {e}")
+        except Exception as e:
+            self._fail(load, ErrorCode.INTERNAL, f"repack failed: {describe(e)}")
             return
         self._release_staging(load)
         params = load.params
         for rr, peer in load.peers.items():
-            self._notices.put((_rank_of(params, rr), self._done_notice(load, peer.meta.generation, peer.token)))
+            self._notices.put(_Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
+                                                                              peer.token)))
         if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
             for r in params.ranks:
                 tp, pp = r.rank % params.layout.tp_size, r.rank // params.layout.tp_size
                 if readers_of(params.layout, tp, pp, self.layout) == 0:
-                    self._notices.put((r, self._done_notice(load, r.generation, self._token_for(params.engine_id, r))))
+                    self._notices.put(_Notice(r, self._done_notice(load, r.generation,
+                                                                   self._token_for(params.engine_id, r))))
         with self._lock:
-            self._loads.pop(load.request_id, None)
+            if self._loads.pop(load.request_id, None) is not load:
+                return  # already reported (the engine failed it when the worker had stopped)
             self._done.receiving.append(load.request_id)
             self._ready.set()
         self.stats.load_finished(time.monotonic() - load.started, load.nbytes)
@@ -407,28 +588,45 @@ class Consumer:
         return DoneNotice(request_id=load.params.request_id, engine_id=self.engine_id, rank=self.rank,
                           layout=self.layout, generation=generation, token=token)
 
-    def _fail(self, load: Load, why: str, timed_out: bool = False) -> None:
+    def _fail(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
+        """Report a load failed with its block ids (worker thread): its reads are stopped first."""
         self._drop_batches(load)
         self._release_staging(load)
-        logger.warning("request %s: load from %s failed: %s", load.request_id, load.params.engine_id, why)
+        logger.warning("request %s: load from %s failed (%s): %s", load.request_id, load.params.engine_id,
+                       code.value, why)
         for r in load.params.ranks:
-            self._notices.put((r, Abandon(request_id=load.params.request_id, generation=r.generation, reason=why[:1000],
-                                          token=self._token_for(load.params.engine_id, r))))
+            self._notices.put(_Notice(r, Abandon(request_id=load.params.request_id, generation=r.generation,
+                                                 reason=why[:1000], token=self._token_for(load.params.engine_id, r))))
+        self._report_failed(load, code, why, timed_out)
+
+    def _report_failed(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
         with self._lock:
-            self._loads.pop(load.request_id, None)
+            if self._loads.pop(load.request_id, None) is not load:
+                return  # reported already
             self._done.failed[load.request_id] = load.invalid_blocks
             self._done.errors[load.request_id] = why
+            self._done.codes[load.request_id] = code
             self._ready.set()
-        self.stats.load_finished(time.monotonic() - load.started, error=why, timed_out=timed_out)
+        self.stats.load_finished(time.monotonic() - load.started, error=why, timed_out=timed_out, code=code)
 
     def _release_staging(self, load: Load) -> None:
         if load.staged:
-            self.plane.unregister([plan.region_id for plan, _ in load.staged])
+            ids = [plan.region_id for plan, _ in load.staged]
             load.staged = []
+            try:
+                self.plane.unregister(ids)
+            except Exception as e:
+                report("consumer worker: unregister staging", e, f"request {load.request_id}")
 
     def _token_for(self, engine_id: str, r: RemoteRank) -> bytes:
         peer = self._peers.get((engine_id, r.rank))
         return peer.token if peer is not None and peer.meta.generation == r.generation else b""
+
+    def _abandon(self, job: _AbandonRequest) -> None:
+        p = job.params
+        for r in p.ranks:
+            self._notices.put(_Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
+                                                 reason=job.reason[:1000], token=self._token_for(p.engine_id, r))))
 
     def _renew_interval(self) -> float:
         """A third of the shortest lease among waiting requests (the producer's, from params)."""
@@ -445,22 +643,23 @@ class Consumer:
                 key = (p.engine_id, r.rank, r.generation)
                 by_rank.setdefault(key, (r, [], p.engine_id))[1].append(p.request_id)
         for r, ids, engine in by_rank.values():
-            self._notices.put((r, LeaseRenew(request_ids=ids, generation=r.generation,
-                                             token=self._token_for(engine, r))))
+            for a in range(0, len(ids), MAX_RENEW_IDS):
+                self._notices.put(_Notice(r, LeaseRenew(request_ids=ids[a : a + MAX_RENEW_IDS],
+                                                        generation=r.generation, token=self._token_for(engine, r))))
 
     def _notify_loop(self) -> None:
-        while True:
-            item = self._notices.get()
-            if item is None:
-                break
-            r, msg = item
+        """Send done, abandon and renew notices, one at a time, each bounded by the client's timeout."""
+        while (notice := self._notices.get()) is not None:
+            r, msg = notice.rank, notice.msg
             try:
-                reply = self.client.request(r.host, r.port, msg, retries=1)  # type: ignore[arg-type]
+                reply = self.client.request(r.host, r.port, msg, retries=1)
                 if isinstance(reply, ErrorReply):
-                    logger.info("producer rank %d answered %s: %s: %s", r.rank, type(msg).__name__, reply.code,
-                                reply.message)
+                    logger.info("producer rank %d answered %s: %s: %s", r.rank, type(msg).__name__,
+                                reply.code.value, reply.message)
             except HandshakeError as e:
                 logger.warning("%s to producer rank %d not delivered: %s", type(msg).__name__, r.rank, e)
+            except Exception as e:  # supervised: the next notice still goes out
+                report("consumer notifier", e, f"{type(msg).__name__} to producer rank {r.rank}")
 
 
 def _rank_of(params: KVTransferParams, rank: int) -> RemoteRank:

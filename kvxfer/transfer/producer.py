@@ -18,13 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.dataplane import Descriptors
+from kvxfer.protocol import ErrorCode, Refusal
 from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)
-
-# How a read for a request id with no hold is refused. Consumers match it to tell "the hold may
-# not be made yet" (the engine orders holds asynchronously) from other refusals.
-NOT_HELD = "is not held (never held, released, or expired)"
 
 
 @dataclass
@@ -140,39 +137,43 @@ class HoldRegistry:
             out, self._released = self._released, []
         return out
 
-    def validate(self, request_id: str, d: Descriptors) -> str | None:
-        """Serve a read only inside registered regions and inside blocks held for the request."""
+    def validate(self, request_id: str, d: Descriptors) -> Refusal | None:
+        """Serve a read only inside registered regions and inside blocks held for the request.
+
+        A read for a request with no hold is refused as ``not_held``: consumers read that as "the
+        hold may not be made yet" (engines order holds asynchronously) and try again for a while."""
         why = self._check(request_id, d)
         if why is not None:
             self.refused_reads += 1
         return why
 
-    def _check(self, request_id: str, d: Descriptors) -> str | None:
+    def _check(self, request_id: str, d: Descriptors) -> Refusal | None:
         if len(d) == 0:
             return None
         rids = d.remote_region
         known = self._known
         pos = np.searchsorted(known, rids).clip(0, len(known) - 1)
         if not (known[pos] == rids).all():
-            return f"region {int(rids[known[pos] != rids][0])} is not registered"
+            return Refusal(ErrorCode.OUT_OF_BOUNDS, f"region {int(rids[known[pos] != rids][0])} is not registered")
         strides, lengths = self._strides[pos], self._lengths[pos]
         start, end = d.remote_offset, d.remote_offset + d.length
         if (end > lengths).any():
-            return "a piece runs past the end of its region"
+            return Refusal(ErrorCode.OUT_OF_BOUNDS, "a piece runs past the end of its region")
         first, last = start // strides, (end - 1) // strides
         now = self.clock()
         with self._lock:
             h = self._holds.get(request_id)
             if h is None:
-                return f"request {request_id} {NOT_HELD}"
+                return Refusal(ErrorCode.NOT_HELD,
+                               f"request {request_id} is not held (never held, released, or expired)")
             if min(h.lease_deadline, h.abort_deadline) <= now:
-                return f"request {request_id}: hold expired"
+                return Refusal(ErrorCode.EXPIRED, f"request {request_id}: hold expired")
             cs = h.held_mask_cumsum
             held = (cs[last + 1] - cs[first]) == (last - first + 1)
             if not held.all():
                 i = int(np.flatnonzero(~held)[0])
-                return (f"request {request_id}: blocks {int(first[i])}..{int(last[i])} of region "
-                        f"{int(rids[i])} are not held for it")
+                return Refusal(ErrorCode.OUT_OF_BOUNDS, f"request {request_id}: blocks {int(first[i])}.."
+                               f"{int(last[i])} of region {int(rids[i])} are not held for it")
             # a read in progress keeps the hold alive
             h.lease_deadline = min(max(h.lease_deadline, now + self.lease_s), h.abort_deadline)
         return None
