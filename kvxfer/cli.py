@@ -44,6 +44,12 @@ def describe_instance(cfg: InstanceConfig) -> list[str]:
     return lines
 
 
+def print_config_error(e: ConfigError) -> None:
+    """Every error of a refused config, one ``error: FILE: PATH: MESSAGE`` line each."""
+    for line in e.lines():
+        print(f"error: {line}", file=sys.stderr)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.files:
@@ -54,7 +60,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                 print(f"# {path}: launcher file, valid")
                 print(to_yaml(launch), end="")
                 for inst in launch.instances:
-                    cfg = load_instance_config(inst)
+                    try:
+                        cfg = load_instance_config(inst)
+                    except ConfigError as e:
+                        print_config_error(e)
+                        status = EXIT_CONFIG
+                        continue
                     print(f"# {inst}: {cfg.role} instance {cfg.engine_id!r}, valid")
             else:
                 cfg = load_instance_config(path)
@@ -68,7 +79,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                     print(f"# note: connector.name {cfg.connector.name!r} is not installed here "
                           f"(installed: {', '.join(sorted(installed)) or 'none'})")
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print_config_error(e)
             status = EXIT_CONFIG
     return status
 
@@ -80,7 +91,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cfg = load_launch_config(args.file)
         instances = [load_instance_config(p) for p in cfg.instances]
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_config_error(e)
         return EXIT_CONFIG
     print(f"launch plan from {args.file}:")
     for path, inst in zip(cfg.instances, instances, strict=True):
@@ -115,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             serve(cfg, args.file)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_config_error(e)
         return EXIT_CONFIG
     except ValueError as e:
         print(f"error: {args.file}: {e}", file=sys.stderr)
@@ -131,7 +142,10 @@ def cmd_route(args: argparse.Namespace) -> int:
 
     try:
         route(args.file)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
+        print_config_error(e)
+        return EXIT_CONFIG
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     return EXIT_OK

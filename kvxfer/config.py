@@ -1,18 +1,28 @@
 """Instance and launcher configuration: msgspec Structs loaded from YAML.
 
 Every refusal names the file, the field path (``cache.block_size``) and what was
-expected, so a serving engineer can fix a config without reading code. Values can be
+expected, so a serving engineer can fix a config without reading code; a file is refused
+with every mistake it has, not only the first (each section and field is converted on its
+own, and every cross-field check whose fields converted still runs). Values can be
 overridden by environment variables ``KVXFER_<SECTION>__<FIELD>`` (``__`` separates
 nesting levels; the value is parsed as a YAML scalar).
+
+Secure by default: a listener bound to an address other than loopback (the side channel,
+an explicit data plane ``host``, the metrics endpoint) needs ``connector.auth``; running
+such a listener without authentication takes ``connector.auth: {mode: none}``, and is
+logged as a warning whenever such a config is loaded.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -38,24 +48,102 @@ HashAlgo = Literal["xxh3_128", "sha256"]
 TransferMode = Literal["pull", "push"]
 
 
+Problem = tuple[str, str]  # (field path, message)
+CheckFn = Callable[[Any], Iterator[Problem]]
+
+
 class ConfigError(ValueError):
-    """A config was refused; ``str()`` names the file, the field path and the expectation."""
+    """A config was refused; ``errors`` holds every (field path, message) found in it.
 
-    def __init__(self, source: str, path: str, message: str) -> None:
+    ``str()`` lists them all, one per line, each as ``SOURCE: PATH: MESSAGE``; ``path`` and
+    ``message`` are the first one's.
+    """
+
+    def __init__(self, source: str, path: str = "", message: str = "",
+                 errors: Sequence[Problem] | None = None) -> None:
         self.source = source
-        self.path = path
-        self.message = message
-        where = f"{source}: {path}: " if path else f"{source}: "
-        super().__init__(where + message)
+        self.errors: list[Problem] = list(errors) if errors else [(path, message)]
+        self.path, self.message = self.errors[0]
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        """One line per error: ``SOURCE: PATH: MESSAGE`` (``SOURCE: MESSAGE`` for the whole file)."""
+        return [f"{self.source}: {p}: {m}" if p else f"{self.source}: {m}" for p, m in self.errors]
 
 
-def _refuse(field: str, message: str) -> ValueError:
-    """An error raised inside ``__post_init__``; ``field`` is relative to the Struct."""
-    return ValueError(f"[{field}] {message}")
+class ConfigProblems(ValueError):
+    """Raised by a Config's ``__post_init__``: every cross-field problem, paths relative to the Struct."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(f"[{p}] {m}" for p, m in self.problems))
+
+
+def check(*needs: str) -> Callable[[CheckFn], CheckFn]:
+    """Mark a Config method as a cross-field check that reads the fields ``needs``.
+
+    ``needs`` are field paths relative to the Struct (``model.num_layers``): every field the
+    check reads. It yields (path relative to the Struct, message) for each problem. A loader
+    runs it even when other fields were refused, as long as each of ``needs`` converted; the
+    method then gets a namespace of the fields that converted, not the Struct (no properties,
+    no methods), so a check must read nothing outside ``needs``.
+    """
+
+    def mark(fn: CheckFn) -> CheckFn:
+        fn.__kvxfer_needs__ = tuple(needs)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+@functools.cache
+def _checks_of(cls: type) -> tuple[tuple[tuple[str, ...], CheckFn], ...]:
+    """The checks of a Config class, base classes' first, each in declaration order."""
+    out: list[tuple[tuple[str, ...], CheckFn]] = []
+    for klass in reversed(cls.__mro__):
+        for obj in vars(klass).values():
+            needs = getattr(obj, "__kvxfer_needs__", None)
+            if needs is not None:
+                out.append((needs, obj))
+    return tuple(out)
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Base for config sections: unknown keys are refused, values are immutable."""
+    """Base for config sections: unknown keys are refused, values are immutable.
+
+    Cross-field rules are methods marked with :func:`check`; constructing a section (in code,
+    by ``msgspec.structs.replace`` or by decoding) raises :class:`ConfigProblems` with all of them.
+    """
+
+    def __post_init__(self) -> None:
+        problems = [p for _, fn in _checks_of(type(self)) for p in fn(self)]
+        if problems:
+            raise ConfigProblems(problems)
+
+
+# ------------------------------------------------------------------------ loopback and auth
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ::1 (also as ``[::1]`` or IPv4-mapped); no name is resolved."""
+    h = host.strip()
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if h.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def unauthenticated_refusal(host: str, listener: str = "") -> str:
+    """The message for a non-loopback listener without ``connector.auth``."""
+    what = f" ({listener} listens there)" if listener else ""
+    return (f"{host} is not a loopback address{what} and connector.auth is not set; set connector.auth.secret_env, "
+            f"or auth: {{mode: none}} to run without authentication")
 
 
 class ModelConfig(Config):
@@ -75,14 +163,15 @@ class ModelConfig(Config):
     seed: NonNegativeInt = 0
     mla: bool = False
 
-    def __post_init__(self) -> None:
+    @check("mla", "num_kv_heads")
+    def _check_mla_heads(self) -> Iterator[Problem]:
         if self.mla and self.num_kv_heads != 1:
-            raise _refuse("num_kv_heads", f"expected 1 with mla (one latent head), got {self.num_kv_heads}")
+            yield "num_kv_heads", f"expected 1 with mla (one latent head), got {self.num_kv_heads}"
+
+    @check("num_heads", "num_kv_heads")
+    def _check_heads(self) -> Iterator[Problem]:
         if self.num_heads % self.num_kv_heads:
-            raise _refuse(
-                "num_heads",
-                f"expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}",
-            )
+            yield "num_heads", f"expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
 
 
 class CacheConfig(Config):
@@ -105,11 +194,15 @@ class CacheConfig(Config):
     hash_algo: HashAlgo = "xxh3_128"
     hash_seed: NonNegativeInt = 0
 
-    def __post_init__(self) -> None:
+    @check("block_size")
+    def _check_block_size(self) -> Iterator[Problem]:
         if self.block_size & (self.block_size - 1):
-            raise _refuse("block_size", f"expected a power of two, got {self.block_size}")
+            yield "block_size", f"expected a power of two, got {self.block_size}"
+
+    @check("kv_fused", "cross_layer", "dtype", "layout")
+    def _check_kv_fused(self) -> Iterator[Problem]:
         if self.kv_fused and (self.cross_layer or self.dtype == "uint8" or self.layout != "HND"):
-            raise _refuse("kv_fused", "needs layout HND, and cannot be combined with cross_layer or the uint8 dtype")
+            yield "kv_fused", "needs layout HND, and cannot be combined with cross_layer or the uint8 dtype"
 
 
 class ParallelConfig(Config):
@@ -119,12 +212,10 @@ class ParallelConfig(Config):
     pp: PositiveInt = 1
     layer_partition: list[PositiveInt] | None = None
 
-    def __post_init__(self) -> None:
+    @check("layer_partition", "pp")
+    def _check_partition(self) -> Iterator[Problem]:
         if self.layer_partition is not None and len(self.layer_partition) != self.pp:
-            raise _refuse(
-                "layer_partition",
-                f"expected {self.pp} entries (one per pp stage), got {len(self.layer_partition)}",
-            )
+            yield "layer_partition", f"expected {self.pp} entries (one per pp stage), got {len(self.layer_partition)}"
 
 
 class SideChannelConfig(Config):
@@ -148,9 +239,24 @@ class TimeoutsConfig(Config):
 
 
 class AuthConfig(Config):
-    """Shared-secret authentication; the secret itself never appears in a config file."""
+    """Shared-secret authentication; the secret itself never appears in a config file.
 
-    secret_env: EnvVarName
+    ``mode: secret`` (the default) needs ``secret_env``, the name of the environment variable
+    holding the secret. ``mode: none`` is the explicit opt-out that lets a listener bind to a
+    non-loopback address without authentication; ``secret_env`` stays None then, so
+    ``auth.secret_env`` alone tells whether authentication is on.
+    """
+
+    mode: Literal["secret", "none"] = "secret"
+    secret_env: EnvVarName | None = None
+
+    @check("mode", "secret_env")
+    def _check_mode(self) -> Iterator[Problem]:
+        if self.mode == "secret" and self.secret_env is None:
+            yield ("secret_env", "required with mode secret (the name of the environment variable holding "
+                                 "the shared secret); or mode: none to run without authentication")
+        if self.mode == "none" and self.secret_env is not None:
+            yield "secret_env", f"expected no secret_env with mode none, got {self.secret_env!r}"
 
 
 DataPlaneValue = str | int | float | bool
@@ -170,19 +276,38 @@ class ConnectorConfig(Config):
     # is not on the CPU; always = also for CPU caches (tests the path without a GPU).
     host_staging: Literal["auto", "always", "never"] = "auto"
 
-    def __post_init__(self) -> None:
+    @check("data_plane")
+    def _check_data_plane(self) -> Iterator[Problem]:
         for key, value in self.data_plane.items():
             if not isinstance(value, DataPlaneValue):
-                raise _refuse(
-                    f"data_plane.{key}",
-                    f"expected a str, int, float or bool, got {type(value).__name__} {value!r}",
-                )
+                yield f"data_plane.{key}", f"expected a str, int, float or bool, got {type(value).__name__} {value!r}"
+
+    @check("timeouts.abort_s", "timeouts.transfer_s")
+    def _check_timeouts(self) -> Iterator[Problem]:
         if self.timeouts.abort_s < self.timeouts.transfer_s:
-            raise _refuse(
-                "timeouts.abort_s",
-                f"expected >= timeouts.transfer_s ({self.timeouts.transfer_s}), "
-                f"got {self.timeouts.abort_s}",
-            )
+            yield ("timeouts.abort_s",
+                   f"expected >= timeouts.transfer_s ({self.timeouts.transfer_s}), got {self.timeouts.abort_s}")
+
+    @check("side_channel.host", "data_plane", "auth")
+    def _check_listeners(self) -> Iterator[Problem]:
+        if self.auth is None:
+            for path, host in connector_listeners(self):
+                yield path, unauthenticated_refusal(host)
+
+
+def connector_listeners(connector: Any) -> list[tuple[str, str]]:
+    """(path relative to ``connector``, host) of its listeners bound to a non-loopback address.
+
+    The side channel, and the data plane's own ``host`` option where one is set (a data plane
+    without one listens on the side channel's host).
+    """
+    out = []
+    if not is_loopback(connector.side_channel.host):
+        out.append(("side_channel.host", connector.side_channel.host))
+    host = connector.data_plane.get("host")
+    if isinstance(host, str) and not is_loopback(host):
+        out.append(("data_plane.host", host))
+    return out
 
 
 class ServerConfig(Config):
@@ -205,49 +330,74 @@ class InstanceConfig(Config):
     connector: ConnectorConfig = msgspec.field(default_factory=ConnectorConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
 
-    def __post_init__(self) -> None:
+    @check("model.num_layers", "parallel.pp", "parallel.layer_partition")
+    def _check_layers(self) -> Iterator[Problem]:
         model, par = self.model, self.parallel
         if par.layer_partition is not None and sum(par.layer_partition) != model.num_layers:
-            raise _refuse(
-                "parallel.layer_partition",
-                f"expected entries summing to model.num_layers={model.num_layers}, "
-                f"got {par.layer_partition} (sum {sum(par.layer_partition)})",
-            )
+            yield ("parallel.layer_partition",
+                   f"expected entries summing to model.num_layers={model.num_layers}, "
+                   f"got {par.layer_partition} (sum {sum(par.layer_partition)})")
         if par.layer_partition is None and par.pp > model.num_layers:
-            raise _refuse(
-                "parallel.pp",
-                f"expected <= model.num_layers={model.num_layers}, got {par.pp}",
-            )
+            yield "parallel.pp", f"expected <= model.num_layers={model.num_layers}, got {par.pp}"
+
+    @check("model.mla", "model.num_kv_heads", "model.num_heads", "parallel.tp")
+    def _check_tp(self) -> Iterator[Problem]:
+        model, par = self.model, self.parallel
         heads = model.num_kv_heads
         if not model.mla and heads % par.tp and par.tp % heads:
-            raise _refuse(
-                "parallel.tp",
-                f"expected a divisor or a multiple of model.num_kv_heads={heads}, got {par.tp}",
-            )
-        if model.num_heads % par.tp:
-            raise _refuse(
-                "parallel.tp",
-                f"expected a divisor of model.num_heads={model.num_heads}, got {par.tp}",
-            )
-        sc = self.connector.side_channel
-        last = sc.port + par.tp * par.pp - 1
-        if sc.port and last > 65535:
-            raise _refuse(
-                "connector.side_channel.port",
-                f"expected port + tp*pp - 1 <= 65535 (one port per rank), got {sc.port} "
-                f"with {par.tp * par.pp} ranks",
-            )
+            yield "parallel.tp", f"expected a divisor or a multiple of model.num_kv_heads={heads}, got {par.tp}"
+        elif model.num_heads % par.tp:
+            yield "parallel.tp", f"expected a divisor of model.num_heads={model.num_heads}, got {par.tp}"
+
+    @check("connector.side_channel.port", "parallel.tp", "parallel.pp")
+    def _check_side_channel_ports(self) -> Iterator[Problem]:
+        sc, par = self.connector.side_channel, self.parallel
+        if sc.port and sc.port + par.tp * par.pp - 1 > 65535:
+            yield ("connector.side_channel.port",
+                   f"expected port + tp*pp - 1 <= 65535 (one port per rank), got {sc.port} "
+                   f"with {par.tp * par.pp} ranks")
+
+    @check("cache.kv_fused", "cache.dtype", "model.mla")
+    def _check_mla_cache(self) -> Iterator[Problem]:
         if self.cache.kv_fused and self.model.mla:
-            raise _refuse("cache.kv_fused", "MLA has one latent, nothing to fuse")
+            yield "cache.kv_fused", "MLA has one latent, nothing to fuse"
         if self.cache.dtype == "uint8" and self.model.mla:
-            raise _refuse("cache.dtype", "uint8 quantised cache is not supported with mla")
+            yield "cache.dtype", "uint8 quantised cache is not supported with mla"
+
+    @check("connector.auth", "server.host", "server.metrics_port")
+    def _check_metrics_listener(self) -> Iterator[Problem]:
+        s = self.server
+        if self.connector.auth is None and s.metrics_port is not None and not is_loopback(s.host):
+            yield "server.host", unauthenticated_refusal(s.host, "the metrics endpoint of server.metrics_port")
 
     @property
     def world_size(self) -> int:
         return self.parallel.tp * self.parallel.pp
 
 
+def instance_listeners(cfg: InstanceConfig) -> list[tuple[str, str]]:
+    """(field path, host) of every listener of an instance bound to a non-loopback address."""
+    out = [(f"connector.{path}", host) for path, host in connector_listeners(cfg.connector)]
+    if cfg.server.metrics_port is not None and not is_loopback(cfg.server.host):
+        out.append(("server.host", cfg.server.host))
+    return out
+
+
+def warn_unauthenticated(source: str, auth: AuthConfig | None, listeners: Sequence[tuple[str, str]]) -> None:
+    """Log a warning when ``auth: {mode: none}`` lets listeners serve beyond loopback."""
+    if auth is not None and auth.mode == "none" and listeners:
+        logger.warning("%s: connector.auth.mode is none, so these listeners serve anyone who can reach them, "
+                       "without authentication: %s", source, ", ".join(f"{path} ({host})" for path, host in listeners))
+
+
 class RouterConfig(Config):
+    """The router in front of the instances of a launch.
+
+    Its ``host`` is the launch's front door (requests in, tokens out), the way a vLLM API server
+    is: it serves no KV memory and ``connector.auth`` does not cover it, so it may bind to any
+    address without one.
+    """
+
     """The router in front of the instances of a launch."""
 
     host: str = "127.0.0.1"
@@ -367,50 +517,60 @@ def apply_env_overrides(
 ) -> tuple[dict[str, Any], list[str]]:
     """Return a copy of ``data`` with ``KVXFER_A__B=v`` applied as ``data[a][b] = yaml(v)``.
 
-    An override naming no field of the schema is refused (a typo must not be ignored).
+    An override naming no field of the schema is refused (a typo must not be ignored); every
+    bad override is named in one ConfigError.
     """
     out: dict[str, Any] = _deep_copy(data)
     applied: list[str] = []
+    errors: list[Problem] = []
     for var in sorted(environ):
         if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX:
             continue
         parts = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
         if not all(parts):
-            raise ConfigError(source, "", f"environment override {var}: empty path segment")
-        struct_type: Any = root
-        node = out
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            if struct_type is None:  # inside a free-form dict (connector.data_plane)
-                field_type = Any
-            else:
-                field_type = _struct_field_type(struct_type, part)
-                if field_type is None:
-                    if i == 0 and root is InstanceConfig and part in _NON_CONFIG_VARS:
-                        break
-                    raise ConfigError(
-                        source, ".".join(parts), f"environment override {var} names no such field"
-                    )
-            if last:
-                try:
-                    node[part] = yaml.safe_load(environ[var]) if environ[var] != "" else ""
-                except yaml.YAMLError as e:
-                    raise ConfigError(source, ".".join(parts), f"{var}: invalid value: {e}") from None
-                applied.append(var)
-                break
-            child = node.get(part)
-            if child is None:
-                child = {}
-                node[part] = child
-            if not isinstance(child, dict):
-                raise ConfigError(source, ".".join(parts[: i + 1]), f"{var}: expected a mapping here")
-            node = child
-            struct_type = _unwrap_struct(field_type) if struct_type is not None else None
-            if struct_type is None and not _is_dict_type(field_type) and field_type is not Any:
-                raise ConfigError(
-                    source, ".".join(parts[: i + 1]), f"environment override {var}: not a section"
-                )
+            errors.append(("", f"environment override {var}: empty path segment"))
+            continue
+        problem = _apply_env_override(out, root, parts, var, environ[var])
+        if problem is None:
+            applied.append(var)
+        elif problem[1]:
+            errors.append(problem)
+    if errors:
+        raise ConfigError(source, errors=errors)
     return out, applied
+
+
+def _apply_env_override(out: dict[str, Any], root: type[msgspec.Struct], parts: list[str], var: str,
+                        value: str) -> Problem | None:
+    """Apply one override to ``out``; None when applied, else the problem ("" message: not a config field)."""
+    struct_type: Any = root
+    node = out
+    for i, part in enumerate(parts):
+        if struct_type is None:  # inside a free-form dict (connector.data_plane)
+            field_type = Any
+        else:
+            field_type = _struct_field_type(struct_type, part)
+            if field_type is None:
+                if i == 0 and root is InstanceConfig and part in _NON_CONFIG_VARS:
+                    return ("", "")
+                return ".".join(parts), f"environment override {var} names no such field"
+        if i == len(parts) - 1:
+            try:
+                node[part] = yaml.safe_load(value) if value != "" else ""
+            except yaml.YAMLError as e:
+                return ".".join(parts), f"{var}: invalid value: {e}"
+            return None
+        child = node.get(part)
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict):
+            return ".".join(parts[: i + 1]), f"{var}: expected a mapping here"
+        node = child
+        struct_type = _unwrap_struct(field_type) if struct_type is not None else None
+        if struct_type is None and not _is_dict_type(field_type) and field_type is not Any:
+            return ".".join(parts[: i + 1]), f"environment override {var}: not a section"
+    return None
 
 
 # Variables under the prefix that are process settings, not config fields.
@@ -428,37 +588,120 @@ def _deep_copy(data: Any) -> Any:
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-def convert(data: Mapping[str, Any], struct_type: type[S], source: str = "<config>") -> S:
-    """Validate a mapping into ``struct_type``, raising ConfigError with the field path."""
+UNKNOWN_KEY = "unknown key (check the spelling against the documented fields)"
+_FAILED: Any = object()  # a value that did not convert
+
+
+class _Partial(SimpleNamespace):
+    """The fields of a refused Struct that did convert: what the checks of the Struct around it may read."""
+
+
+def _available(view: Any, need: str) -> bool:
+    """Whether the field path ``need`` converted (it leads through no refused value)."""
+    obj = view
+    for part in need.split("."):
+        if isinstance(obj, _Partial) and part not in vars(obj):
+            return False
+        if not isinstance(obj, _Partial) and not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return not isinstance(obj, _Partial)
+
+
+def _join(path: str, sub: str) -> str:
+    return f"{path}.{sub}" if path and sub else path or sub
+
+
+def collect(data: Any, tp: Any, path: str = "") -> tuple[Any, list[Problem]]:
+    """Convert ``data`` to ``tp``, finding every problem rather than stopping at the first.
+
+    A Struct (also inside ``X | None``) given a mapping is converted field by field: unknown
+    keys, missing required fields and each field's own errors are all collected, then every
+    cross-field check (:func:`check`) whose fields converted runs. Anything else is one
+    ``msgspec.convert``. Returns (the value, []) or (a placeholder, problems), each problem's
+    path prefixed by ``path``; a refused Struct's placeholder keeps the fields that converted.
+    """
+    struct = _unwrap_struct(tp)
+    if struct is not None and isinstance(data, dict):
+        return _collect_struct(data, struct, path)
     try:
-        return msgspec.convert(data, struct_type, strict=True)
+        return msgspec.convert(data, tp, strict=True), []
     except msgspec.ValidationError as e:
-        path, msg = _format_validation_error(e)
-        raise ConfigError(source, path, msg) from None
+        sub, msg = _format_validation_error(e)
+        return _FAILED, [(_join(path, sub), msg)]
+
+
+def _collect_struct(data: dict[Any, Any], cls: type[msgspec.Struct], path: str) -> tuple[Any, list[Problem]]:
+    fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
+    values: dict[str, Any] = {}  # what converted, and the partial views of refused sections
+    failed: set[str] = set()
+    problems: list[Problem] = []
+    for key, value in data.items():
+        f = fields.get(key) if isinstance(key, str) else None
+        if f is None:
+            problems.append((_join(path, str(key)), UNKNOWN_KEY))
+            continue
+        converted, found = collect(value, f.type, _join(path, f.encode_name))
+        problems += found
+        if found:
+            failed.add(f.name)
+        if not found or isinstance(converted, _Partial):
+            values[f.name] = converted
+    for f in fields.values():
+        if f.required and f.encode_name not in data:
+            problems.append((_join(path, f.encode_name), "required field is missing"))
+            failed.add(f.name)
+    view = _Partial(**{f.name: values[f.name] if f.name in values else
+                       f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+                       for f in fields.values() if f.name in values or f.name not in failed})
+    for needs, fn in _checks_of(cls):
+        if all(_available(view, need) for need in needs):
+            problems += [(_join(path, p), m) for p, m in fn(view)]
+    if problems:
+        return view, problems
+    try:
+        return cls(**values), []
+    except ConfigProblems as e:  # a rule not marked with @check: still reported, with its path
+        return view, [(_join(path, p), m) for p, m in e.problems]
+
+
+def convert(data: Mapping[str, Any], struct_type: type[S], source: str = "<config>") -> S:
+    """Validate a mapping into ``struct_type``; a ConfigError names every problem with its field path."""
+    value, problems = collect(data, struct_type)
+    if problems:
+        raise ConfigError(source, errors=problems)
+    assert isinstance(value, struct_type)
+    return value
 
 
 def load_instance_config(
     path: str | Path, environ: Mapping[str, str] | None = None
 ) -> InstanceConfig:
-    """Load one instance's YAML file, apply ``KVXFER_*`` overrides, validate."""
+    """Load one instance's YAML file, apply ``KVXFER_*`` overrides, validate (every error at once)."""
     source = str(path)
     data = read_yaml(path)
     env = os.environ if environ is None else environ
     data, applied = apply_env_overrides(data, InstanceConfig, env, source)
     if applied:
         logger.info("%s: environment overrides applied: %s", source, ", ".join(applied))
-    return convert(data, InstanceConfig, source)
+    cfg = convert(data, InstanceConfig, source)
+    warn_unauthenticated(source, cfg.connector.auth, instance_listeners(cfg))
+    return cfg
 
 
 def load_launch_config(path: str | Path) -> LaunchConfig:
-    """Load a launcher file; instance paths are resolved relative to it."""
+    """Load a launcher file; instance paths are resolved relative to it and must exist."""
     source = str(path)
-    cfg = convert(read_yaml(path), LaunchConfig, source)
-    base = Path(path).resolve().parent
-    resolved = [str((base / p).resolve()) for p in cfg.instances]
-    for i, p in enumerate(resolved):
-        if not Path(p).is_file():
-            raise ConfigError(source, f"instances.{i}", f"no such instance config: {p}")
+    data = read_yaml(path)
+    cfg, problems = collect(data, LaunchConfig)
+    resolved: list[str] = []
+    if not any(p.split(".")[0] == "instances" for p, _ in problems):  # a valid list: its files are checked too
+        base = Path(path).resolve().parent
+        resolved = [str((base / p).resolve()) for p in data["instances"]]
+        problems += [(f"instances.{i}", f"no such instance config: {p}")
+                     for i, p in enumerate(resolved) if not Path(p).is_file()]
+    if problems:
+        raise ConfigError(source, errors=problems)
     return msgspec.structs.replace(cfg, instances=resolved)
 
 
