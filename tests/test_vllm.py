@@ -102,7 +102,8 @@ class Pair:
 
 def extra(plane: str, metrics_port: int) -> dict[str, object]:
     """kv_connector_extra_config: short handshake timeouts, kvxfer's own metrics endpoint."""
-    return {"data_plane": plane, "handshake_s": 2.0, "transfer_s": 20.0, "metrics_port": metrics_port}
+    return {"connector": {"name": plane, "timeouts": {"handshake_s": 2.0, "transfer_s": 20.0}},
+            "metrics_port": metrics_port}
 
 
 PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx", "bfloat16"), ("ucx", "float32"), ("cma", "bfloat16")]

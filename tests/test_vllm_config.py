@@ -3,6 +3,7 @@ the unit under test is kvxfer's mapping, not vLLM)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import pytest
 
 import kvxfer.integrations.vllm as vllm_adapter  # needs vLLM: the vllm-test extra, as the README's command installs
+from kvxfer.config import ConfigError
+from kvxfer.connector import Connector
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +31,8 @@ def vllm_config(extra: dict[str, Any] | None = None, role: str = "kv_consumer", 
 
 def test_geometry_comes_from_vllm_and_the_plane_from_extra_config() -> None:
     _, cfg = vllm_adapter.instance_config(
-        vllm_config({"data_plane": "cma", "side_channel_port": 5900, "lease_s": 7.5, "auth_secret_env": "KV_SECRET"},
-                    tp=2), num_blocks=321, dtype="bfloat16")
+        vllm_config({"connector": {"name": "cma", "side_channel": {"port": 5900}, "timeouts": {"lease_s": 7.5},
+                                   "auth": {"secret_env": "KV_SECRET"}}}, tp=2), num_blocks=321, dtype="bfloat16")
     assert cfg.role == "decode" and cfg.engine_id == "0a9abb4a-09ba"
     assert cfg.model.name == "My-Model"  # a kvxfer name from the served model name
     assert (cfg.model.num_layers, cfg.model.num_kv_heads, cfg.model.head_size) == (4, 4, 64)
@@ -39,21 +42,117 @@ def test_geometry_comes_from_vllm_and_the_plane_from_extra_config() -> None:
     assert (c.name, c.side_channel.port, c.timeouts.lease_s, c.auth.secret_env) == ("cma", 5900, 7.5, "KV_SECRET")
 
 
+def test_the_deprecated_flat_keys_still_work_and_say_what_replaces_them(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvxfer.integrations.vllm"):
+        _, cfg = vllm_adapter.instance_config(vllm_config(
+            {"data_plane": "cma", "side_channel_port": 5900, "lease_s": 7.5, "auth_secret_env": "KV_SECRET",
+             "data_plane_options": {"timeout_s": 3.0}}), 64)
+    c = cfg.connector
+    assert (c.name, c.side_channel.port, c.timeouts.lease_s, c.auth.secret_env) == ("cma", 5900, 7.5, "KV_SECRET")
+    assert c.data_plane == {"timeout_s": 3.0}
+    assert "connector.timeouts.lease_s" in caplog.text and "deprecated" in caplog.text
+
+
+def test_every_connector_field_comes_through_extra_config_and_reaches_the_connector(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One schema: what a kvxfer YAML's connector section takes, kv_connector_extra_config takes."""
+    monkeypatch.setenv("KV_SECRET", "s3cret")
+    s, cfg = vllm_adapter.instance_config(vllm_config({"connector": {
+        "name": "tcp", "host_staging": "always", "data_plane": {"streams": 2},
+        "timeouts": {"hold_wait_s": 2.5, "handshake_retries": 7, "reservation_s": 9.0},
+        "auth": {"secret_env": "KV_SECRET"}}, "metrics_port": 0}), 64)
+    t = cfg.connector.timeouts
+    assert (t.hold_wait_s, t.handshake_retries, t.reservation_s) == (2.5, 7, 9.0)
+    assert cfg.connector.host_staging == "always" and cfg.connector.data_plane == {"streams": 2}
+    assert cfg.connector.side_channel.port == 0, "vLLM passes addresses itself: free ports by default"
+    assert s.metrics_port == 0
+    c = Connector.from_config(cfg)
+    try:
+        assert c.config.connector.timeouts.hold_wait_s == 2.5
+        assert c.client.retries == 7
+        assert c.secret == b"s3cret"
+    finally:
+        c.close()
+
+
+def test_without_extra_config_the_side_channel_takes_free_ports() -> None:
+    _, cfg = vllm_adapter.instance_config(vllm_config({}), 64)
+    assert cfg.connector.side_channel.port == 0 and cfg.connector.side_channel.host == "127.0.0.1"
+    assert cfg.connector.auth is None
+
+
 def test_a_kvxfer_yaml_supplies_the_connector_section() -> None:
     _, cfg = vllm_adapter.instance_config(vllm_config({"config": str(ROOT / "configs" / "ucx-decode.yaml")}), 64)
     assert cfg.connector.name == "ucx" and cfg.connector.side_channel.port == 5720
     assert cfg.cache.kv_fused and cfg.cache.block_size == 128, "geometry still comes from vLLM"
 
 
-@pytest.mark.parametrize(("extra", "role", "match"), [
-    ({"data_plan": "tcp"}, "kv_consumer", "data_plan"),  # a typo is named, not ignored
-    ({"lease_s": "soon"}, "kv_consumer", "lease_s"),
-    ({"side_channel_port": 70000}, "kv_consumer", "port"),
-    ({}, "kv_nobody", "kv_role"),
+@pytest.mark.parametrize(("extra", "role", "path", "match"), [
+    ({"data_plan": "tcp"}, "kv_consumer", "kv_connector_extra_config.data_plan", "unknown key"),  # a typo is named
+    ({"connector": {"timeout": {}}}, "kv_consumer", "kv_connector_extra_config.connector.timeout", "unknown key"),
+    ({"lease_s": "soon"}, "kv_consumer", "kv_connector_extra_config.lease_s", "Expected `float`"),
+    ({"side_channel_port": 70000}, "kv_consumer", "kv_connector_extra_config.side_channel_port", "<= 65535"),
+    ({"connector": {"timeouts": {"hold_wait_s": -1}}}, "kv_consumer",
+     "kv_connector_extra_config.connector.timeouts.hold_wait_s", ">= 0"),
+    ({"metrics_port": 70000}, "kv_consumer", "kv_connector_extra_config.metrics_port", "<= 65535"),
+    ({"lease_s": 1.0, "connector": {"timeouts": {"lease_s": 2.0}}}, "kv_consumer",
+     "kv_connector_extra_config.lease_s", "also set as connector.timeouts.lease_s"),
+    ({"config": "x.yaml", "connector": {}}, "kv_consumer", "kv_connector_extra_config.connector",
+     "cannot be combined with config"),
+    ({"config": "/nonexistent/x.yaml"}, "kv_consumer", "kv_connector_extra_config.config", "cannot read file"),
+    ({}, "kv_nobody", "kv_role", "expected one of"),
 ])
-def test_bad_settings_are_refused_by_name(extra: dict[str, Any], role: str, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_bad_settings_are_refused_by_name(extra: dict[str, Any], role: str, path: str, match: str) -> None:
+    with pytest.raises(ConfigError) as info:
         vllm_adapter.instance_config(vllm_config(extra, role), 64)
+    assert info.value.source == "kv_transfer_config"
+    assert info.value.path == path, str(info.value)
+    assert match in info.value.message, str(info.value)
+
+
+def test_every_mistake_in_extra_config_is_reported_at_once() -> None:
+    extra = {"data_plan": "tcp", "metrics_port": "9000",
+             "connector": {"timeouts": {"hold_wait_s": -1, "transfer_s": 10, "abort_s": 5},
+                           "side_channel": {"host": "0.0.0.0"}}}
+    with pytest.raises(ConfigError) as info:
+        vllm_adapter.instance_config(vllm_config(extra, "kv_nobody"), 64)
+    paths = [p for p, _ in info.value.errors]
+    assert sorted(paths) == sorted([
+        "kv_connector_extra_config.data_plan", "kv_connector_extra_config.metrics_port",
+        "kv_connector_extra_config.connector.timeouts.hold_wait_s",
+        "kv_connector_extra_config.connector.timeouts.abort_s",
+        "kv_connector_extra_config.connector.side_channel.host", "kv_role"]), str(info.value)
+    assert len(str(info.value).splitlines()) == len(paths)
+
+
+@pytest.mark.parametrize(("extra", "path"), [
+    ({"connector": {"side_channel": {"host": "0.0.0.0"}}}, "kv_connector_extra_config.connector.side_channel.host"),
+    ({"connector": {"data_plane": {"host": "10.1.2.3"}}}, "kv_connector_extra_config.connector.data_plane.host"),
+    ({"side_channel_host": "::"}, "kv_connector_extra_config.side_channel_host"),
+    ({"metrics_port": 0, "metrics_host": "0.0.0.0"}, "kv_connector_extra_config.metrics_host"),
+])
+def test_a_listener_beyond_loopback_needs_auth_or_the_explicit_opt_out(
+        extra: dict[str, Any], path: str, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError) as info:
+        vllm_adapter.instance_config(vllm_config(extra), 64)
+    assert info.value.path == path, str(info.value)
+    assert "is not a loopback address" in info.value.message and "connector.auth is not set" in info.value.message
+    connector = {**extra.get("connector", {}), "auth": {"mode": "none"}}
+    with caplog.at_level(logging.WARNING, logger="kvxfer.config"):
+        _, cfg = vllm_adapter.instance_config(vllm_config({**extra, "connector": connector}), 64)
+    assert cfg.connector.auth is not None and cfg.connector.auth.secret_env is None
+    assert "connector.auth.mode is none" in caplog.text and path in caplog.text
+    for secret in ({"secret_env": "KV_SECRET"}, {"mode": "secret", "secret_env": "KV_SECRET"}):
+        vllm_adapter.instance_config(vllm_config({**extra, "connector": {**connector, "auth": secret}}), 64)
+
+
+def test_the_yaml_named_by_config_is_checked_too(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("role: decode\nengine_id: d\nconnector: {side_channel: {host: 0.0.0.0}, timeouts: {lease_s: 0}}\n")
+    with pytest.raises(ConfigError) as info:
+        vllm_adapter.instance_config(vllm_config({"config": str(bad)}), 64)
+    lines = [m for p, m in info.value.errors if p == "kv_connector_extra_config.config"]
+    assert len(lines) == 2 and all(m.startswith(f"{bad}: connector.") for m in lines), str(info.value)
 
 
 def test_vllm_finds_the_connector_by_name_through_the_plugin_and_by_module_path() -> None:

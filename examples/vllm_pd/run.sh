@@ -12,12 +12,12 @@ python="${PYTHON:-python3}"
 [ -d "$model" ] || "$python" "$here/tiny_model.py" "$model"
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 common=(--served-model-name tiny --enforce-eager --max-model-len 2048 --host 127.0.0.1)
-extra="{\"data_plane\": \"$plane\", \"side_channel_port\": 5700}"
+extra="{\"connector\": {\"name\": \"$plane\", \"side_channel\": {\"port\": 5700}}}"
 VLLM_CPU_OMP_THREADS_BIND=0 "$python" -m vllm.entrypoints.openai.api_server --model "$model" --port 8100 "${common[@]}" \
   --kv-transfer-config "{\"kv_connector\": \"KvxferConnector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": $extra}" &
 prefill=$!
 VLLM_CPU_OMP_THREADS_BIND=1 "$python" -m vllm.entrypoints.openai.api_server --model "$model" --port 8200 "${common[@]}" \
-  --kv-transfer-config "{\"kv_connector\": \"KvxferConnector\", \"kv_role\": \"kv_consumer\", \"kv_load_failure_policy\": \"recompute\", \"kv_connector_extra_config\": {\"data_plane\": \"$plane\", \"side_channel_port\": 5800}}" &
+  --kv-transfer-config "{\"kv_connector\": \"KvxferConnector\", \"kv_role\": \"kv_consumer\", \"kv_load_failure_policy\": \"recompute\", \"kv_connector_extra_config\": {\"connector\": {\"name\": \"$plane\", \"side_channel\": {\"port\": 5800}}}}" &
 decode=$!
 trap 'kill $prefill $decode 2>/dev/null; wait' EXIT
 for port in 8100 8200; do

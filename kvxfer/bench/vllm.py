@@ -56,7 +56,7 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
     extra = None
     mport = free_port()
     if kind == "kvxfer":
-        extra = {"data_plane": connector.split("-", 1)[1], "metrics_port": mport}
+        extra = {"connector": {"name": connector.split("-", 1)[1]}, "metrics_port": mport}
     length = max(1024, max(len(q) for q in prompts) + output + 1)
     p = VllmServer(model, free_port(), "prefill", kind, extra and {**extra, "metrics_port": free_port()}, dtype,
                    cpu=cpus[0], log=logdir / f"{connector}-prefill.log", max_model_len=length)

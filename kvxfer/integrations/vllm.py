@@ -14,18 +14,21 @@ prompt as external tokens, loaded asynchronously; once vLLM has allocated blocks
 pull them. A failed load is reported with its block ids, and vLLM recomputes them
 (``kv_load_failure_policy: recompute``) or fails the request (its default).
 
-Settings come from ``kv_connector_extra_config`` (see :class:`VllmSettings`), or from the
-``connector`` section of a kvxfer YAML named by its ``config`` key. Model, cache and parallel
-geometry always come from vLLM. vLLM's CPU cache is one tensor per layer, shaped
-``[blocks, kv_heads, block_size, 2 * head_size]``, K rows then V rows per head: kvxfer's
-``kv_fused`` HND layout.
+Settings come from ``kv_connector_extra_config`` (see :class:`VllmSettings`): its
+``connector`` key takes a kvxfer YAML's ``connector`` section, validated by the same schema
+(:class:`kvxfer.config.ConnectorConfig`), or its ``config`` key names a kvxfer YAML whose
+``connector`` section is used. Model, cache and parallel geometry always come from vLLM.
+vLLM's CPU cache is one tensor per layer, shaped ``[blocks, kv_heads, block_size, 2 * head_size]``,
+K rows then V rows per head: kvxfer's ``kv_fused`` HND layout.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,26 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxfer.cache.spec import TORCH_DTYPES, KVCacheSpec, spec_from_config
 from kvxfer.cache.tensors import KVCache
-from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, ParallelConfig, convert, read_yaml
+from kvxfer.config import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    ConnectorConfig,
+    InstanceConfig,
+    ModelConfig,
+    ParallelConfig,
+    Port,
+    Problem,
+    SideChannelConfig,
+    check,
+    collect,
+    connector_listeners,
+    convert,
+    is_loopback,
+    read_yaml,
+    unauthenticated_refusal,
+    warn_unauthenticated,
+)
 from kvxfer.connector import Connector
 from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import KVTransferParams, RemoteRank
@@ -64,22 +86,116 @@ ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-class VllmSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``kv_connector_extra_config``; unknown keys are refused by name."""
+SOURCE = "kv_transfer_config"  # how errors name vLLM's --kv-transfer-config
+EXTRA = "kv_connector_extra_config"
+# vLLM hands every rank's side-channel address over in its handshake metadata: free ports by default
+SIDE_CHANNEL_PORT = 0
+# Deprecated flat keys of kv_connector_extra_config and their place in its connector section.
+LEGACY_KEYS = {
+    "data_plane": "name", "data_plane_options": "data_plane", "side_channel_host": "side_channel.host",
+    "side_channel_port": "side_channel.port", "handshake_s": "timeouts.handshake_s",
+    "transfer_s": "timeouts.transfer_s", "lease_s": "timeouts.lease_s", "abort_s": "timeouts.abort_s",
+    "auth_secret_env": "auth.secret_env",
+}
 
+
+def _vllm_connector() -> ConnectorConfig:
+    return ConnectorConfig(side_channel=SideChannelConfig(port=SIDE_CHANNEL_PORT))
+
+
+class VllmSettings(Config):
+    """``kv_connector_extra_config``; unknown keys are refused by name, every error at once.
+
+    ``connector`` is a kvxfer YAML's ``connector`` section (every field: data plane and its
+    options, side channel, timeouts, auth), except that ``side_channel.port`` defaults to 0;
+    ``config`` names a kvxfer instance YAML to take that section from instead (not both).
+    """
+
+    connector: ConnectorConfig = msgspec.field(default_factory=_vllm_connector)
     config: str | None = None  # a kvxfer instance YAML whose `connector` section is used
-    data_plane: str = "tcp"
-    data_plane_options: dict[str, Any] = msgspec.field(default_factory=dict)
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0  # rank r listens on port + r; 0 picks free ports
-    handshake_s: float | None = None
-    transfer_s: float | None = None
-    lease_s: float | None = None
-    abort_s: float | None = None
-    auth_secret_env: str | None = None
     model_name: str | None = None  # what both instances must agree on; default vLLM's served name
-    metrics_port: int | None = None  # kvxfer's Prometheus endpoint; rank r on port + r (0: any free port)
+    metrics_port: Port | None = None  # kvxfer's Prometheus endpoint; rank r on port + r (0: any free port)
     metrics_host: str = "127.0.0.1"
+
+    @check("connector.auth", "metrics_host", "metrics_port")
+    def _check_metrics_listener(self) -> Iterator[Problem]:
+        if self.connector.auth is None and self.metrics_port is not None and not is_loopback(self.metrics_host):
+            yield "metrics_host", unauthenticated_refusal(self.metrics_host, "the metrics endpoint of metrics_port")
+
+
+def _settings_data(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[Problem]]:
+    """``extra`` as VllmSettings data: legacy keys moved into ``connector``, a ``config`` YAML's section read.
+
+    Returns the data, {connector path: legacy key} (to name the key a user wrote), and problems.
+    """
+    data = dict(extra)
+    legacy = {k: data.pop(k) for k in list(data) if k in LEGACY_KEYS}
+    problems: list[Problem] = []
+    renames: dict[str, str] = {}
+    if "config" in data:
+        problems += [(k, "cannot be combined with config (the connector section comes from that file)")
+                     for k in ("connector", *legacy) if k in data or k in legacy]
+        path = data["config"]
+        if not problems and isinstance(path, str):
+            try:
+                data["connector"] = msgspec.to_builtins(convert(read_yaml(path), InstanceConfig, path).connector)
+            except ConfigError as e:
+                problems += [("config", line) for line in e.lines()]
+        return data, renames, problems
+    if legacy:
+        logger.warning("%s: %s deprecated; give %s instead", EXTRA, ", ".join(sorted(legacy)),
+                       ", ".join(f"connector.{LEGACY_KEYS[k]}" for k in sorted(legacy)))
+    conn = data.get("connector")
+    if conn is None:
+        conn = {}
+    if not isinstance(conn, dict):
+        return data, renames, problems  # refused by the schema, with its path
+    conn = copy.deepcopy(conn)
+    for key, value in legacy.items():
+        *parents, leaf = LEGACY_KEYS[key].split(".")
+        node = conn
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict):
+            problems.append((key, f"cannot be combined with connector.{'.'.join(parents)}, not a mapping"))
+        elif leaf in node:
+            problems.append((key, f"also set as connector.{LEGACY_KEYS[key]}; set it once"))
+        else:
+            node[leaf] = value
+            renames[f"connector.{LEGACY_KEYS[key]}"] = key
+    side = conn.setdefault("side_channel", {})
+    if isinstance(side, dict):
+        side.setdefault("port", SIDE_CHANNEL_PORT)
+    data["connector"] = conn
+    return data, renames, problems
+
+
+def _renamed(path: str, renames: dict[str, str]) -> str:
+    for conn_path, key in renames.items():
+        if path == conn_path or path.startswith(conn_path + "."):
+            return key + path[len(conn_path):]
+    return path
+
+
+def read_settings(extra: dict[str, Any], kv_role: str | None = None) -> VllmSettings:
+    """Validate ``kv_connector_extra_config`` (and ``kv_role`` when given); one ConfigError names every problem."""
+    data, renames, problems = _settings_data(extra)
+    settings, found = collect(data, VllmSettings)
+    problems += [(_renamed(p, renames), m) for p, m in found]
+    errors = [(f"{EXTRA}.{p}", m) for p, m in problems]
+    if kv_role is not None and kv_role not in ROLES:
+        errors.append(("kv_role", f"expected one of {sorted(ROLES)}, got {kv_role!r}"))
+    if errors:
+        raise ConfigError(SOURCE, errors=errors)
+    assert isinstance(settings, VllmSettings)
+    listeners = [(f"{EXTRA}.{_renamed('connector.' + p, renames)}", host)
+                 for p, host in connector_listeners(settings.connector)]
+    if settings.metrics_port is not None and not is_loopback(settings.metrics_host):
+        listeners.append((f"{EXTRA}.metrics_host", settings.metrics_host))
+    warn_unauthenticated(SOURCE, settings.connector.auth, listeners)
+    return settings
 
 
 def _name(text: str) -> str:
@@ -92,34 +208,18 @@ def instance_config(vllm_config: VllmConfig, num_blocks: int,
                     dtype: str = "float32") -> tuple[VllmSettings, InstanceConfig]:
     """The kvxfer view of a vLLM instance: role, geometry from vLLM, connector from the settings."""
     kvt = vllm_config.kv_transfer_config
-    try:
-        s = msgspec.convert(dict(kvt.kv_connector_extra_config or {}), VllmSettings)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"kv_connector_extra_config: {e}") from None
-    if kvt.kv_role not in ROLES:
-        raise ValueError(f"kv_transfer_config.kv_role: expected one of {sorted(ROLES)}, got {kvt.kv_role!r}")
+    s = read_settings(dict(kvt.kv_connector_extra_config or {}), kvt.kv_role)
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     hf = mc.hf_text_config
     model = ModelConfig(name=_name(s.model_name or mc.served_model_name or mc.model),
                         num_layers=mc.get_total_num_hidden_layers(), num_heads=hf.num_attention_heads,
                         num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size())
-    if s.config is not None:
-        connector = convert(read_yaml(s.config), InstanceConfig, s.config).connector
-    else:
-        t = {k: v for k, v in (("handshake_s", s.handshake_s), ("transfer_s", s.transfer_s),
-                                ("lease_s", s.lease_s), ("abort_s", s.abort_s)) if v is not None}
-        connector = convert({"name": s.data_plane, "data_plane": s.data_plane_options,
-                             "side_channel": {"host": s.side_channel_host, "port": s.side_channel_port},
-                             "timeouts": t, **({"auth": {"secret_env": s.auth_secret_env}} if s.auth_secret_env
-                                               else {})},
-                            ConnectorConfig, "kv_connector_extra_config")
-    assert isinstance(connector, ConnectorConfig)
     return s, InstanceConfig(
         role=ROLES[kvt.kv_role], engine_id=_name(kvt.engine_id or "vllm"), model=model,
         cache=CacheConfig(block_size=vllm_config.cache_config.block_size, num_blocks=max(num_blocks, 1),
                           layout="HND", kv_fused=True, dtype=dtype, huge_pages=False),  # type: ignore[arg-type]
         parallel=ParallelConfig(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size),
-        connector=connector,
+        connector=s.connector,
     )
 
 
