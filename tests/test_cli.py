@@ -59,3 +59,37 @@ def test_version_and_usage() -> None:
     assert r.returncode == 0 and r.stdout.startswith("kvxfer ")
     r = kvxfer("no-such-command")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_check_config_reports_every_mistake_of_a_file_with_its_path(tmp_path: Path) -> None:
+    """An unknown key, a wrong type, an out-of-range value and a cross-field error, in four sections."""
+    bad = tmp_path / "four.yaml"
+    bad.write_text("role: decode\nengine_id: d\n"
+                   "cache: {bloc_size: 16}\n"                             # unknown key
+                   "parallel: {tp: two}\n"                                # wrong type
+                   "server: {port: 70000}\n"                              # out of range
+                   "connector: {timeouts: {transfer_s: 10, abort_s: 5}}\n")  # cross-field
+    r = kvxfer("check-config", str(bad), "configs/prefill.yaml")
+    assert r.returncode == 1, r.stdout + r.stderr
+    expected = [f"error: {bad}: cache.bloc_size: unknown key",
+                f"error: {bad}: parallel.tp: Expected `int`, got `str`",
+                f"error: {bad}: server.port: Expected `int` <= 65535",
+                f"error: {bad}: connector.timeouts.abort_s: expected >= timeouts.transfer_s (10.0), got 5.0"]
+    lines = r.stderr.splitlines()
+    for e in expected:
+        assert sum(line.startswith(e) for line in lines) == 1, (e, r.stderr)
+    assert len(lines) == 4, r.stderr
+    assert "prefill instance 'prefill-0', valid" in r.stdout, "the next file is still checked"
+
+
+def test_check_config_of_a_launch_file_checks_every_instance(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text("role: prefill\nengine_id: p\ncache: {block_size: 12}\n")
+    (tmp_path / "d.yaml").write_text("role: decode\nengine_id: d\nmodel: {num_layers: 0}\n")
+    (tmp_path / "ok.yaml").write_text("role: decode\nengine_id: ok\n")
+    launch = tmp_path / "launch.yaml"
+    launch.write_text("instances: [p.yaml, d.yaml, ok.yaml]\n")
+    r = kvxfer("check-config", str(launch))
+    assert r.returncode == 1
+    assert f"{tmp_path / 'p.yaml'}: cache.block_size: expected a power of two" in r.stderr
+    assert f"{tmp_path / 'd.yaml'}: model.num_layers: Expected `int` >= 1" in r.stderr
+    assert "decode instance 'ok', valid" in r.stdout

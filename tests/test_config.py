@@ -166,3 +166,48 @@ def test_shipped_configs_are_valid() -> None:
                 load_instance_config(inst, environ={})
         else:
             load_instance_config(f, environ={})
+
+
+def test_every_error_of_a_file_at_once(tmp_path: Path) -> None:
+    data = merged(cache={"block_size": 12, "bloc": 1}, parallel={"tp": "2"}, model={"num_heads": 7},
+                  connector={"timeouts": {"transfer_s": 10, "abort_s": 5, "lease_s": -1}}, extra=1)
+    err = refuse(tmp_path, data)
+    assert sorted(err.errors) == sorted([
+        ("cache.block_size", "expected a power of two, got 12"),
+        ("cache.bloc", "unknown key (check the spelling against the documented fields)"),
+        ("parallel.tp", "Expected `int`, got `str`"),
+        ("model.num_heads", "expected a multiple of num_kv_heads=2, got 7"),
+        ("connector.timeouts.lease_s", "Expected `float` > 0.0"),
+        ("connector.timeouts.abort_s", "expected >= timeouts.transfer_s (10.0), got 5.0"),
+        ("extra", "unknown key (check the spelling against the documented fields)"),
+    ])
+    assert (err.path, err.message) == err.errors[0]
+    lines = str(err).splitlines()
+    assert lines == [f"{err.source}: {p}: {m}" for p, m in err.errors]
+
+
+def test_cross_field_checks_run_over_what_converted(tmp_path: Path) -> None:
+    # cache.dtype is refused, but model and parallel converted: their checks still run
+    err = refuse(tmp_path, merged(cache={"dtype": "int4"}, parallel={"tp": 3}))
+    assert sorted(p for p, _ in err.errors) == ["cache.dtype", "parallel.tp"]
+    # model.num_layers is refused: the checks that read it do not run (no made-up second error)
+    err = refuse(tmp_path, merged(model={"num_layers": 0}, parallel={"pp": 5}))
+    assert [p for p, _ in err.errors] == ["model.num_layers"]
+    # a refused section's other fields still feed the checks around it
+    err = refuse(tmp_path, merged(model={"hidden_size": 0}, parallel={"pp": 5}))
+    assert sorted(p for p, _ in err.errors) == ["model.hidden_size", "parallel.pp"]
+
+
+def test_every_bad_env_override_at_once(tmp_path: Path) -> None:
+    err = refuse(tmp_path, BASE, {"KVXFER_CACHE__BLOK_SIZE": "16", "KVXFER_NOPE": "1", "KVXFER_CACHE__NUM_BLOCKS": "8"})
+    assert [p for p, _ in err.errors] == ["cache.blok_size", "nope"]
+
+
+def test_launch_file_reports_every_error(tmp_path: Path) -> None:
+    write(tmp_path, BASE, "p.yaml")
+    bad = write(tmp_path, {"instances": ["p.yaml", "nope.yaml", "gone.yaml"], "workload": {"num_requests": 0},
+                           "router": {"prot": 1}}, "launch.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_launch_config(bad)
+    assert sorted(p for p, _ in info.value.errors) == ["instances.1", "instances.2", "router.prot",
+                                                       "workload.num_requests"]
