@@ -661,7 +661,7 @@ def _collect_struct(data: dict[Any, Any], cls: type[msgspec.Struct], path: str) 
         return view, problems
     try:
         return cls(**values), []
-    except ConfigProblems as e:  # a rule not marked with @check: still reported, with its path
+    except ConfigProblems as e:  # every check ran above, so only a check that reads outside its needs gets here
         return view, [(_join(path, p), m) for p, m in e.problems]
 
 
