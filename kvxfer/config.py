@@ -146,7 +146,7 @@ def unauthenticated_refusal(host: str, listener: str = "") -> str:
             f"or auth: {{mode: none}} to run without authentication")
 
 
-class ModelConfig(Config):
+class ModelConfig(Config, frozen=True):
     """The model whose KV cache moves; the reference engine builds it from a seed."""
 
     name: Name = "kvxfer-tiny"
@@ -174,7 +174,7 @@ class ModelConfig(Config):
             yield "num_heads", f"expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
 
 
-class CacheConfig(Config):
+class CacheConfig(Config, frozen=True):
     """The paged KV cache of one rank: geometry, layout, dtype, and prefix caching."""
 
     block_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
@@ -205,7 +205,7 @@ class CacheConfig(Config):
             yield "kv_fused", "needs layout HND, and cannot be combined with cross_layer or the uint8 dtype"
 
 
-class ParallelConfig(Config):
+class ParallelConfig(Config, frozen=True):
     """Tensor and pipeline parallel sizes; ``layer_partition`` is layers per PP stage."""
 
     tp: PositiveInt = 1
@@ -218,14 +218,14 @@ class ParallelConfig(Config):
             yield "layer_partition", f"expected {self.pp} entries (one per pp stage), got {len(self.layer_partition)}"
 
 
-class SideChannelConfig(Config):
+class SideChannelConfig(Config, frozen=True):
     """ZMQ handshake server: rank r of an instance listens on ``port + r`` (0: ephemeral)."""
 
     host: str = "127.0.0.1"
     port: Port = 5600
 
 
-class TimeoutsConfig(Config):
+class TimeoutsConfig(Config, frozen=True):
     """Every wait in kvxfer has one of these limits."""
 
     handshake_s: PositiveFloat = 5.0
@@ -238,7 +238,7 @@ class TimeoutsConfig(Config):
     hold_wait_s: NonNegativeFloat = 1.0
 
 
-class AuthConfig(Config):
+class AuthConfig(Config, frozen=True):
     """Shared-secret authentication; the secret itself never appears in a config file.
 
     ``mode: secret`` (the default) needs ``secret_env``, the name of the environment variable
@@ -262,7 +262,7 @@ class AuthConfig(Config):
 DataPlaneValue = str | int | float | bool
 
 
-class ConnectorConfig(Config):
+class ConnectorConfig(Config, frozen=True):
     """Which data plane moves the bytes, and how the side channel is reached."""
 
     name: Name = "tcp"
@@ -310,7 +310,7 @@ def connector_listeners(connector: Any) -> list[tuple[str, str]]:
     return out
 
 
-class ServerConfig(Config):
+class ServerConfig(Config, frozen=True):
     """Where the instance takes requests from the router."""
 
     host: str = "127.0.0.1"
@@ -319,7 +319,7 @@ class ServerConfig(Config):
     metrics_port: Port | None = None
 
 
-class InstanceConfig(Config):
+class InstanceConfig(Config, frozen=True):
     """One prefill, decode or combined instance: the whole of one YAML file."""
 
     role: Role
@@ -390,7 +390,7 @@ def warn_unauthenticated(source: str, auth: AuthConfig | None, listeners: Sequen
                        "without authentication: %s", source, ", ".join(f"{path} ({host})" for path, host in listeners))
 
 
-class RouterConfig(Config):
+class RouterConfig(Config, frozen=True):
     """The router in front of the instances of a launch.
 
     Its ``host`` is the launch's front door (requests in, tokens out), the way a vLLM API server
@@ -404,7 +404,7 @@ class RouterConfig(Config):
     port: Port = 8000
 
 
-class WorkloadConfig(Config):
+class WorkloadConfig(Config, frozen=True):
     """Synthetic requests a launch sends through the router."""
 
     num_requests: PositiveInt = 8
@@ -413,7 +413,7 @@ class WorkloadConfig(Config):
     seed: NonNegativeInt = 0
 
 
-class LaunchConfig(Config):
+class LaunchConfig(Config, frozen=True):
     """A paired set of instances (each its own YAML file), a router and a workload."""
 
     instances: Annotated[list[str], msgspec.Meta(min_length=1)]
@@ -546,6 +546,7 @@ def _apply_env_override(out: dict[str, Any], root: type[msgspec.Struct], parts: 
     struct_type: Any = root
     node = out
     for i, part in enumerate(parts):
+        field_type: object  # a field's annotation: a class, a union, typing.Any
         if struct_type is None:  # inside a free-form dict (connector.data_plane)
             field_type = Any
         else:

@@ -267,7 +267,7 @@ def region_array(r: MemoryRegion) -> np.ndarray:
     """A zero-copy uint8 numpy view of a registered host region."""
     import ctypes
 
-    return np.frombuffer((ctypes.c_char * r.length).from_address(r.address), dtype=np.uint8)
+    return np.frombuffer(memoryview((ctypes.c_char * r.length).from_address(r.address)), dtype=np.uint8)
 
 
 class HostRegionPlane(DataPlane):
@@ -317,7 +317,7 @@ class HostRegionPlane(DataPlane):
                 raise ValueError(f"region {r.region_id} is already registered")
         for r in regions:
             self._arrays[r.region_id] = region_array(r)
-            self._views[r.region_id] = memoryview(self._arrays[r.region_id])
+            self._views[r.region_id] = self._arrays[r.region_id].data
             self._regions[r.region_id] = r
         self._table = RegionTable(self._regions)
 

@@ -133,7 +133,7 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int, responder: Responder, name: str = "side-channel",
                  max_message_bytes: int | None = None) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes or (4 << 20) + 1024)
@@ -208,7 +208,7 @@ class SideChannelClient:
     """Request/reply to side-channel servers, each call bounded by a timeout and retries."""
 
     def __init__(self, timeout_s: float, retries: int) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.timeout_s = timeout_s
         self.retries = retries
 

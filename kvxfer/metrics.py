@@ -197,7 +197,7 @@ class MetricsServer:
 
         self.collector = _Collector()
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(self.collector)  # type: ignore[arg-type]
+        registry.register(self.collector)
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=registry)
         except OSError as e:

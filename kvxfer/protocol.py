@@ -97,21 +97,21 @@ class SpecInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 # ------------------------------------------------------------------ side channel
 
-class Hello(Message, tag="hello"):
+class Hello(Message, tag="hello", frozen=True):
     """Client's first message; opens the challenge-response."""
 
     engine_id: Id
     client_nonce: Nonce
 
 
-class Challenge(Message, tag="challenge"):
+class Challenge(Message, tag="challenge", frozen=True):
     """Server's nonce, and its proof that it knows the shared secret (empty without auth)."""
 
     server_nonce: Nonce
     server_proof: bytes = b""
 
 
-class HandshakeRequest(Message, tag="handshake"):
+class HandshakeRequest(Message, tag="handshake", frozen=True):
     engine_id: Id
     rank: int
     layout: ParallelLayout
@@ -120,7 +120,7 @@ class HandshakeRequest(Message, tag="handshake"):
     proof: bytes = b""  # HMAC(secret, client proof) when auth is on
 
 
-class HandshakeResponse(Message, tag="handshake_ok"):
+class HandshakeResponse(Message, tag="handshake_ok", frozen=True):
     engine_id: Id
     rank: int
     tp_rank: int
@@ -135,7 +135,7 @@ class HandshakeResponse(Message, tag="handshake_ok"):
     model: str
 
 
-class DoneNotice(Message, tag="done"):
+class DoneNotice(Message, tag="done", frozen=True):
     """A consumer rank read what it needed of a request (or was told to count as a reader)."""
 
     request_id: Id
@@ -146,7 +146,7 @@ class DoneNotice(Message, tag="done"):
     token: bytes = b""
 
 
-class LeaseRenew(Message, tag="renew"):
+class LeaseRenew(Message, tag="renew", frozen=True):
     """The consumer still means to read these requests; extend their holds."""
 
     request_ids: Annotated[list[Id], msgspec.Meta(max_length=4096)]
@@ -154,7 +154,7 @@ class LeaseRenew(Message, tag="renew"):
     token: bytes = b""
 
 
-class Abandon(Message, tag="abandon"):
+class Abandon(Message, tag="abandon", frozen=True):
     """The consumer will not read this request (dropped, or failed): free it now."""
 
     request_id: Id
@@ -163,11 +163,11 @@ class Abandon(Message, tag="abandon"):
     token: bytes = b""
 
 
-class Ack(Message, tag="ack"):
+class Ack(Message, tag="ack", frozen=True):
     pass
 
 
-class ErrorReply(Message, tag="error"):
+class ErrorReply(Message, tag="error", frozen=True):
     code: ErrorCode
     message: Annotated[str, msgspec.Meta(max_length=4096)]
 
@@ -178,7 +178,7 @@ SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | 
 
 # ------------------------------------------------------------------ data plane (socket framing)
 
-class ReadRequest(Message, tag="read"):
+class ReadRequest(Message, tag="read", frozen=True):
     """Pieces the consumer wants, in the order it will receive them.
 
     The three arrays are little-endian int64, packed (numpy ``tobytes``).
@@ -192,7 +192,7 @@ class ReadRequest(Message, tag="read"):
     token: bytes = b""
 
 
-class ReadReply(Message, tag="read_ok"):
+class ReadReply(Message, tag="read_ok", frozen=True):
     """Precedes ``nbytes`` of raw data (ok) or nothing (error set)."""
 
     batch_id: int
@@ -201,7 +201,7 @@ class ReadReply(Message, tag="read_ok"):
     code: ErrorCode | None = None  # the refusal's code
 
 
-class DataHello(Message, tag="data_hello"):
+class DataHello(Message, tag="data_hello", frozen=True):
     """First frame on a data connection: proves it belongs to an authenticated handshake."""
 
     engine_id: Id
@@ -219,7 +219,7 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(frame: bytes | memoryview, decoder: msgspec.msgpack.Decoder, limit: int) -> Message:
+def _decode(frame: bytes | bytearray | memoryview, decoder: msgspec.msgpack.Decoder, limit: int) -> Message:
     if len(frame) > limit:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {limit}")
     try:
@@ -236,7 +236,7 @@ def decode_side(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Me
     return _decode(frame, _side_decoder, limit)
 
 
-def decode_data(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
+def decode_data(frame: bytes | bytearray | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
     """Decode one data-plane control frame."""
     return _decode(frame, _data_decoder, limit)
 

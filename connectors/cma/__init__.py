@@ -120,7 +120,7 @@ class CmaDataPlane(HostRegionPlane):
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
         self._names: dict[bytes, str] = {}  # control identity -> the engine id it said hello as
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._ctrl = self._ctx.socket(zmq.ROUTER)
         self._ctrl.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)

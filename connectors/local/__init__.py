@@ -12,7 +12,7 @@ import itertools
 import logging
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.config import DataPlaneValue
@@ -40,7 +40,7 @@ class LocalDataPlane(DataPlane):
         self._results: list[BatchResult] = []
         self._batch_ids = itertools.count()
         self._closed = False
-        self._on_complete = None
+        self._on_complete: Callable[[], None] | None = None
         _PLANES[self._address] = self
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -57,7 +57,7 @@ class LocalDataPlane(DataPlane):
         for rid in region_ids:
             self._regions.pop(rid, None)
 
-    def set_completion_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:
         self._on_complete = callback
 
     def address(self) -> bytes:
@@ -92,6 +92,7 @@ class LocalDataPlane(DataPlane):
             if error is not None:
                 logger.warning("peer %s refused read for %s: %s", peer_id, request_id, error.message)
         if error is None:
+            assert peer is not None  # no refusal: the peer was found connected above
             src_base = {i: r.address for i, r in peer._regions.items()}
             dst_base = {i: r.address for i, r in self._regions.items()}
             for rr, ro, lr, lo, n in zip(

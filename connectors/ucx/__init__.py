@@ -405,7 +405,8 @@ class UcxDataPlane(HostRegionPlane):
         self._refused: set[tuple[str, str]] = set()
         self._serving: set[asyncio.Future[None]] = set()
         self._client_names: dict[tuple[bytes, int], str] = {}  # the engine id each consumer said hello as
-        self._ctrl = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctrl = ctx.socket(zmq.ROUTER)
         self._ctrl.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         host = str(o.get("host", "127.0.0.1"))
@@ -430,7 +431,8 @@ class UcxDataPlane(HostRegionPlane):
     async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes) -> None:
         if self._receiver is None:
             self._receiver = self._new_receiver()
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(addr.control)
         try:

@@ -11,6 +11,7 @@ local region, local offset, length) into it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -138,8 +139,8 @@ class MooncakeConsumer:
                 raise RuntimeError(f"mooncake: batch read failed ({rc})")
 
 
-PRODUCERS = {"nixl": NixlProducer, "mooncake": MooncakeProducer}
-CONSUMERS = {"nixl": NixlConsumer, "mooncake": MooncakeConsumer}
+PRODUCERS: dict[str, type[NixlProducer | MooncakeProducer]] = {"nixl": NixlProducer, "mooncake": MooncakeProducer}
+CONSUMERS: dict[str, type[NixlConsumer | MooncakeConsumer]] = {"nixl": NixlConsumer, "mooncake": MooncakeConsumer}
 
 
 # ------------------------------------------------------------------ a process pair per peer
@@ -178,7 +179,7 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
         src, dst, rr, ro, lr, lo, ln, budget = case
         try:
             clear(cache, dst)
-            times = timed(lambda d=(rr, ro, lr, lo, ln): peer.read(*d), budget)
+            times = timed(functools.partial(peer.read, rr, ro, lr, lo, ln), budget)
             check_arrived(cache, src, dst, name)
             conn.send(("ok", stat(times, int(ln.sum()))))
         except Exception as e:

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from kvxfer.cache import KVCacheSpec, allocate_kv_cache
+from kvxfer.config import CacheDtype, Layout
 from kvxfer.progress import Progress
 from kvxfer.repack import DEFAULT_CHUNK_BYTES, blocks_to_receive, repack_inplace
 
-CASES = [  # (remote layout, local layout, remote block size, local block size)
+CASES: list[tuple[Layout, Layout, int, int]] = [  # (remote layout, local layout, remote block size, local block size)
     ("NHD", "NHD", 16, 16),
     ("NHD", "NHD", 16, 64),
     ("HND", "HND", 16, 16),
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    heads, head_size, dtype = 8, 128, "bfloat16"
+    heads, head_size = 8, 128
+    dtype: CacheDtype = "bfloat16"
     nbytes = args.tokens * heads * head_size * 2 * 2 * args.layers  # K and V
     print(f"repack of {args.tokens} tokens x {args.layers} layers x K,V (8 kv heads, head 128, bf16): "
           f"{nbytes / 2**20:.0f} MiB; median of {args.repeat}; torch threads {torch.get_num_threads()}; "

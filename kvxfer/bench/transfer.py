@@ -42,7 +42,7 @@ import torch
 
 from kvxfer.bench import peers as peer_mod
 from kvxfer.cache import KVCache, allocate_kv_cache, spec_from_config
-from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, SideChannelConfig
+from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, Role, SideChannelConfig
 from kvxfer.connector import Connector, Descriptors, available_data_planes, load_data_plane
 from kvxfer.progress import Progress
 from kvxfer.protocol import KVTransferParams
@@ -53,7 +53,7 @@ RAW_TAG = 0x7A11_0000_0000_0001
 INFLIGHT = 64
 
 
-def make_cfg(role: str, connector: str, num_blocks: int) -> InstanceConfig:
+def make_cfg(role: Role, connector: str, num_blocks: int) -> InstanceConfig:
     return InstanceConfig(
         role=role, engine_id=f"bench-{role}-{connector}",
         model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
@@ -85,7 +85,7 @@ def clear(cache: KVCache, dst: np.ndarray) -> None:
 
 
 def _views(cache: KVCache) -> dict[int, memoryview]:
-    return {r.region_id: memoryview(t.view(-1).view(torch.uint8).numpy())
+    return {r.region_id: t.view(-1).view(torch.uint8).numpy().data
             for r, t in zip(cache.regions, cache.tensors, strict=True)}
 
 
@@ -190,8 +190,10 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
                 while raw.recv(1) == b"g":
                     send_pieces(raw, pieces)
             elif op == "ucx_connect":
-                ucx_raw = UcxRaw(conns["ucx"].plane, cmd[1], cmd[2])
-                conn.send(conns["ucx"].plane.rt.address)
+                # the ucx connector's plane: its runtime (ucxx, no stubs) is outside the DataPlane API
+                ucx_plane: Any = conns["ucx"].plane
+                ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])
+                conn.send(ucx_plane.rt.address)
             elif op == "ucx_one":
                 assert ucx_raw is not None
                 ucx_raw.send_one(cmd[1])
@@ -345,7 +347,7 @@ class Bench:
 
     def _ucx_raw(self) -> UcxRaw:
         """Endpoints both ways: the producer sends on its own, this process receives on its own."""
-        plane = self.conns["ucx"].plane
+        plane: Any = self.conns["ucx"].plane  # the ucx connector's: its ucxx runtime is outside the DataPlane API
         self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block))
         return UcxRaw(plane, self._recv())
 

@@ -15,13 +15,21 @@ import torch
 
 from kvxfer.config import CacheDtype, InstanceConfig, Layout
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
+TORCH_DTYPES: dict[CacheDtype, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
     "uint8": torch.uint8,
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of cache dtype ``name`` (a peer's, off the wire); KeyError for an unknown name."""
+    for key, dtype in TORCH_DTYPES.items():
+        if key == name:
+            return dtype
+    raise KeyError(name)
 
 QUANT_HEADER_BYTES = 8  # fp32 scale + fp32 zero point per token per head
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvxfer.cache.blockcopy import gather_rows, scatter_rows
@@ -19,7 +20,7 @@ from kvxfer.cache.tensors import KVCache
 logger = logging.getLogger(__name__)
 
 
-def _index(cache: KVCache, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def _index(cache: KVCache, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
     idx = torch.as_tensor(block_ids, dtype=torch.int64)
     if idx.ndim != 1:
         raise ValueError(f"block_ids: expected a 1-d sequence, got shape {tuple(idx.shape)}")
@@ -80,7 +81,7 @@ def mirror_of(cache: KVCache, huge_pages: bool = True) -> KVCache:
     return mirror
 
 
-def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | torch.Tensor) -> None:
+def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
     """Blocks ``block_ids`` of every tensor from ``src`` to the same ids of ``dst`` (any devices):
     one batched gather and one batched scatter per tensor."""
     if src.spec != dst.spec or src.num_blocks != dst.num_blocks:

@@ -98,6 +98,7 @@ class KVCache:
     def _region(self, region_id: int, t: torch.Tensor) -> MemoryRegion:
         spec = self.spec
         nbytes = t.numel() * t.element_size()
+        kind: RegionKind
         if spec.cross_layer:
             layers, kind = (spec.first_layer, spec.first_layer + spec.num_layers), "KV"
         else:

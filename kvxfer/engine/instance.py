@@ -95,7 +95,7 @@ class Instance:
         self.bm = BlockManager.from_config(cfg.cache)
         self.ranks = Ranks(cfg, config_path)
         self.finished = FinishedAggregator(cfg.world_size)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -203,8 +203,10 @@ class Instance:
             del self.held[rid]
             self._on_all(Release(request_id=rid))
         if rid in self.loading:  # the data plane may still be writing its blocks: free them when it stops
-            self.loading[rid].cancelled = True
-            self._on_all(Abandon(request_id=rid, params=self.loading[rid].params.to_bytes(), reason="cancelled"))
+            loading = self.loading[rid]
+            loading.cancelled = True
+            assert loading.params is not None  # a request starts loading only with its params
+            self._on_all(Abandon(request_id=rid, params=loading.params.to_bytes(), reason="cancelled"))
             return
         for seq in [q for q in self.running if q.request_id == rid]:
             self.running.remove(seq)

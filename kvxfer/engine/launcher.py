@@ -85,7 +85,7 @@ class LaunchError(RuntimeError):
 
 
 def _request(addr: str, msg: m.EngineMessage, timeout_s: float) -> m.EngineMessage | None:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
@@ -127,7 +127,7 @@ def make_workload(launch: LaunchConfig, vocab: int) -> list[m.Generate]:
 
 
 def run_workload(addr: str, requests: list[m.Generate], timeout_s: float, label: str) -> dict[str, RoutedGenerated]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(addr)
@@ -136,8 +136,8 @@ def run_workload(addr: str, requests: list[m.Generate], timeout_s: float, label:
     print(f"{label}:", file=sys.stderr)
     progress = Progress(len(requests))
     try:
-        for r in requests:
-            s.send_multipart([b"", m.encode(r)])
+        for req in requests:
+            s.send_multipart([b"", m.encode(req)])
         progress.update(0)
         while len(results) < len(requests):
             left = timeout_s - (time.monotonic() - t0)

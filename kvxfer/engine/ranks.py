@@ -94,7 +94,8 @@ class Ranks:
             raise ValueError("a TP/PP instance needs its config file to start its other ranks")
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         control_port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         try:
@@ -186,7 +187,8 @@ def serve_rank(cfg: InstanceConfig, rank: int, store_port: int, control_port: in
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     store = dist.TCPStore("127.0.0.1", store_port, cfg.world_size, is_master=False,
                           timeout=timedelta(seconds=START_TIMEOUT_S))
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{control_port}")
     worker: Worker | None = None

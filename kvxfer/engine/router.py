@@ -47,7 +47,7 @@ class Pending:
 
 class Router:
     def __init__(self, launch: LaunchConfig, instances: list[InstanceConfig], prefill_timeout_s: float) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
         self.front.bind(f"tcp://{launch.router.host}:{launch.router.port}")
@@ -141,9 +141,9 @@ class Router:
             except zmq.Again:
                 return
             msg = m.decode(frame)
-            rid = getattr(msg, "request_id", None)
+            rid: str | None = getattr(msg, "request_id", None)
             p = self.pending.get(rid) if rid else None
-            if p is None:
+            if rid is None or p is None:
                 continue  # a late answer for a request already sent on (e.g. after a prefill timeout)
             if isinstance(msg, m.Prefilled) and p.stage == "prefill":
                 p.ttft_s = time.monotonic() - p.received

@@ -40,55 +40,55 @@ class ForwardSpan(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     start: int
 
 
-class Forward(Command, tag="forward"):
+class Forward(Command, tag="forward", frozen=True):
     """One forward pass over a batch of requests (a prefill, or a decode step)."""
 
     spans: list[ForwardSpan]
 
 
-class Hold(Command, tag="hold"):
+class Hold(Command, tag="hold", frozen=True):
     request_id: str
     block_ids: list[int]
     num_tokens: int
 
 
-class Wait(Command, tag="wait"):
+class Wait(Command, tag="wait", frozen=True):
     request_id: str
     params: bytes
 
 
-class StartLoad(Command, tag="load"):
+class StartLoad(Command, tag="load", frozen=True):
     request_id: str
     params: bytes
     block_ids: list[int]
     num_cached_tokens: int
 
 
-class Abandon(Command, tag="abandon"):
+class Abandon(Command, tag="abandon", frozen=True):
     request_id: str
     params: bytes
     reason: str
 
 
-class Release(Command, tag="release"):
+class Release(Command, tag="release", frozen=True):
     """Prefill side: free a hold now (its request was cancelled)."""
 
     request_id: str
 
 
-class Poll(Command, tag="poll"):
+class Poll(Command, tag="poll", frozen=True):
     pass
 
 
-class DumpKV(Command, tag="dump"):
+class DumpKV(Command, tag="dump", frozen=True):
     block_ids: list[int]
 
 
-class StatsOf(Command, tag="stats"):
+class StatsOf(Command, tag="stats", frozen=True):
     pass
 
 
-class Stop(Command, tag="stop"):
+class Stop(Command, tag="stop", frozen=True):
     pass
 
 
@@ -136,7 +136,7 @@ class Worker:
     def __init__(self, cfg: InstanceConfig, rank: int,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  send: Callable[[torch.Tensor, int], None] | None = None,
-                 recv: Callable[[torch.Tensor, int], None] | None = None) -> None:
+                 recv: Callable[[torch.Tensor, int], object] | None = None) -> None:  # result (sender rank) unused
         self.cfg = cfg
         self.rank = rank
         self.layout = ParallelLayout.from_config(cfg)

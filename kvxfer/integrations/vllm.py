@@ -48,6 +48,7 @@ from kvxfer.cache.spec import TORCH_DTYPES, KVCacheSpec, spec_from_config
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import (
     CacheConfig,
+    CacheDtype,
     Config,
     ConfigError,
     ConnectorConfig,
@@ -56,6 +57,7 @@ from kvxfer.config import (
     ParallelConfig,
     Port,
     Problem,
+    Role,
     SideChannelConfig,
     check,
     collect,
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PARAMS_KEY = "kvxfer"  # where kvxfer's params ride inside vLLM's kv_transfer_params
-ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -103,7 +105,7 @@ def _vllm_connector() -> ConnectorConfig:
     return ConnectorConfig(side_channel=SideChannelConfig(port=SIDE_CHANNEL_PORT))
 
 
-class VllmSettings(Config):
+class VllmSettings(Config, frozen=True):
     """``kv_connector_extra_config``; unknown keys are refused by name, every error at once.
 
     ``connector`` is a kvxfer YAML's ``connector`` section (every field: data plane and its
@@ -205,19 +207,26 @@ def _name(text: str) -> str:
 
 
 def instance_config(vllm_config: VllmConfig, num_blocks: int,
-                    dtype: str = "float32") -> tuple[VllmSettings, InstanceConfig]:
+                    dtype: CacheDtype = "float32") -> tuple[VllmSettings, InstanceConfig]:
     """The kvxfer view of a vLLM instance: role, geometry from vLLM, connector from the settings."""
     kvt = vllm_config.kv_transfer_config
+    if kvt is None:
+        raise ConfigError(SOURCE, message="not set: the kvxfer connector runs only as vLLM's kv_connector")
     s = read_settings(dict(kvt.kv_connector_extra_config or {}), kvt.kv_role)
+    if kvt.kv_role is None:
+        raise ConfigError(SOURCE, "kv_role", f"expected one of {sorted(ROLES)}, got None")
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     hf = mc.hf_text_config
-    model = ModelConfig(name=_name(s.model_name or mc.served_model_name or mc.model),
+    served = mc.served_model_name
+    if isinstance(served, list):  # vLLM resolves a list to its first name (get_served_model_name)
+        served = served[0] if served else None
+    model = ModelConfig(name=_name(s.model_name or served or mc.model),
                         num_layers=mc.get_total_num_hidden_layers(), num_heads=hf.num_attention_heads,
                         num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size())
     return s, InstanceConfig(
         role=ROLES[kvt.kv_role], engine_id=_name(kvt.engine_id or "vllm"), model=model,
         cache=CacheConfig(block_size=vllm_config.cache_config.block_size, num_blocks=max(num_blocks, 1),
-                          layout="HND", kv_fused=True, dtype=dtype, huge_pages=False),  # type: ignore[arg-type]
+                          layout="HND", kv_fused=True, dtype=dtype, huge_pages=False),
         parallel=ParallelConfig(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size),
         connector=s.connector,
     )
@@ -308,10 +317,9 @@ class KvxferConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.P2P  # vLLM's metrics count loaded prompt tokens as p2p hits
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 1
-        self.settings, self.cfg = instance_config(vllm_config, num_blocks)
+        self.settings, self.cfg = instance_config(vllm_config, kv_cache_config.num_blocks)
         self.layout = ParallelLayout.from_config(self.cfg)
         # scheduler side
         self._pending = KvxferMetadata()

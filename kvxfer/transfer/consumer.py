@@ -15,7 +15,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,7 +217,7 @@ class Consumer:
         self._notifier.start()
 
     # ------------------------------------------------------------------ engine-facing
-    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: list[int] | np.ndarray,
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                    num_cached_tokens: int = 0) -> None:
         """Check the arguments (raising, with no state change), then load in the background."""
         ids = np.asarray(local_block_ids, dtype=np.int64)

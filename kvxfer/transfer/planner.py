@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvxfer.cache.spec import QUANT_HEADER_BYTES, TORCH_DTYPES, KVCacheSpec
+from kvxfer.cache.spec import QUANT_HEADER_BYTES, KVCacheSpec, torch_dtype
 from kvxfer.cache.tensors import KVCache, MemoryRegion
 from kvxfer.dataplane import Descriptors
 from kvxfer.protocol import RegionInfo, SpecInfo
@@ -83,7 +83,7 @@ class SideLayout:
     @classmethod
     def from_remote(cls, spec: SpecInfo, regions: list[RegionInfo]) -> SideLayout:
         storage = spec.head_size + QUANT_HEADER_BYTES if spec.dtype == "uint8" else spec.head_size
-        return cls.build(spec, TORCH_DTYPES[spec.dtype].itemsize, storage, regions)
+        return cls.build(spec, torch_dtype(spec.dtype).itemsize, storage, regions)
 
     @classmethod
     def build(cls, spec: SpecInfo, itemsize: int, storage_head_size: int,
@@ -116,7 +116,8 @@ def coalesce(rr: np.ndarray, ro: np.ndarray, lr: np.ndarray, lo: np.ndarray, ln:
                    & (ro[1:] == ro[:-1] + ln[:-1]) & (lo[1:] == lo[:-1] + ln[:-1]))
     idx = np.flatnonzero(starts)
     lengths = np.add.reduceat(ln, idx)
-    return Descriptors(*(np.ascontiguousarray(a[idx]) for a in (rr, ro, lr, lo)), np.ascontiguousarray(lengths))
+    rr, ro, lr, lo = (np.ascontiguousarray(a[idx]) for a in (rr, ro, lr, lo))
+    return Descriptors(rr, ro, lr, lo, np.ascontiguousarray(lengths))
 
 
 def concat(parts: list[Descriptors]) -> Descriptors:

@@ -66,7 +66,7 @@ class HoldRegistry:
         with self._lock:
             return sum(len(h.block_ids) for h in self._holds.values())
 
-    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> Hold:
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> Hold:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise ValueError(f"request {request_id}: block_ids must be a non-empty list")
