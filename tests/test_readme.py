@@ -21,6 +21,7 @@ def test_readme_has_exactly_two_setup_commands() -> None:
     assert main_job.endswith("kvxfer launch configs/demo.yaml")
     assert "-c constraints.txt" in main_job and "-c constraints.txt" in tests
     assert "pytest" in tests and "ruff check" in tests
+    assert ".venv/bin/mypy &&" in tests  # types are checked (the [tool.mypy] files: kvxfer and connectors)
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
