@@ -40,7 +40,7 @@ from kvxfer.protocol import (
     decode_side,
     encode,
 )
-from kvxfer.supervise import describe, report
+from kvxfer.supervise import describe, report, supervised_loop
 from kvxfer.topology import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -153,14 +153,7 @@ class SideChannelServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                self._serve_one(poller)
-            except Exception as e:  # supervised: the server keeps answering
-                if self._stop.is_set():
-                    break
-                report("side-channel server", e)
-                time.sleep(0.01)
+        supervised_loop("side-channel server", lambda: self._serve_one(poller), lambda: self._stop.is_set())
 
     def _serve_one(self, poller: zmq.Poller) -> None:
         try:

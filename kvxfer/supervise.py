@@ -17,7 +17,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from kvxfer.protocol import ErrorCode
 
@@ -43,6 +45,19 @@ def report(loop: str, exc: BaseException, touched: str = "") -> None:
                      exc_info=(type(exc), exc, exc.__traceback__))
     else:
         logger.debug("kvxfer loop %s: %s again: %s%s", loop, type(exc).__name__, exc, what)
+
+
+def supervised_loop(loop: str, step: Callable[[], None], stopped: Callable[[], bool], pause_s: float = 0.01) -> None:
+    """Run ``step`` until ``stopped()``: an exception from one step is reported (see :func:`report`)
+    and, after ``pause_s`` (so that a step failing at once cannot spin a core), the loop goes on."""
+    while not stopped():
+        try:
+            step()
+        except Exception as e:
+            if stopped():
+                break
+            report(loop, e)
+            time.sleep(pause_s)
 
 
 def loop_errors() -> int:

@@ -30,7 +30,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from kvxfer.dataplane import (
     check_read,
 )
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
-from kvxfer.supervise import code_of, describe, report
+from kvxfer.supervise import code_of, describe, report, supervised_loop
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +247,7 @@ class CmaDataPlane(HostRegionPlane):
         """The grant thread (producer side). Supervised: only closing the plane ends it."""
         poller = zmq.Poller()
         poller.register(self._ctrl, zmq.POLLIN)
-        while not self._closed:
-            try:
-                self._serve_one(poller)
-            except Exception as e:
-                if self._closed:
-                    break
-                report("cma grants", e)
-                time.sleep(0.01)
+        supervised_loop("cma grants", lambda: self._serve_one(poller), lambda: self._closed)
         self._ctrl.close(linger=0)
 
     def _serve_one(self, poller: zmq.Poller) -> None:

@@ -49,7 +49,6 @@ import logging
 import os
 import struct
 import threading
-import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -69,7 +68,7 @@ from kvxfer.dataplane import (
     check_read,
 )
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
-from kvxfer.supervise import code_of, describe, report
+from kvxfer.supervise import code_of, describe, report, supervised_loop
 
 logger = logging.getLogger(__name__)
 
@@ -593,14 +592,7 @@ class UcxDataPlane(HostRegionPlane):
         receive always posted, ucxx's blocking progress never re-arms and spins a core."""
         poller = zmq.Poller()
         poller.register(self._ctrl, zmq.POLLIN)
-        while not self._closed:
-            try:
-                self._control_one(poller)
-            except Exception as e:  # supervised: only closing the plane ends this thread
-                if self._closed:
-                    break
-                report("ucx control", e)
-                time.sleep(0.01)
+        supervised_loop("ucx control", lambda: self._control_one(poller), lambda: self._closed)
         self._ctrl.close(linger=0)
 
     def _control_one(self, poller: zmq.Poller) -> None:
