@@ -275,6 +275,7 @@ class TcpDataPlane(HostRegionPlane):
         self._address = Address(host=host, port=self._tcp.getsockname()[1], unix_path=self._unix_path,
                                 host_id=self.host_id)
         for srv in (self._tcp, self._unix):
+            srv.settimeout(0.2)  # here, not in the thread: a plane closed at once has closed the socket
             t = threading.Thread(target=self._accept_loop, args=(srv,), name="tcp-accept", daemon=True)
             t.start()
             self._server_threads.append(t)
@@ -282,7 +283,6 @@ class TcpDataPlane(HostRegionPlane):
     def _accept_loop(self, srv: socket.socket) -> None:
         """Supervised: only closing the plane ends it (an accept that fails, e.g. out of file
         descriptors, is reported and tried again)."""
-        srv.settimeout(0.2)
         while not self._closed.is_set():
             try:
                 conn, _ = srv.accept()
