@@ -128,6 +128,33 @@ class Authenticator:
 Responder = Callable[[Message, str], Message | None]
 
 
+def serve_socket(loop: str, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None],
+                 stopped: Callable[[], bool]) -> None:
+    """Hand each multipart message that arrives on ``sock`` to ``handle`` until ``stopped()``.
+
+    Supervised (:func:`kvxfer.supervise.supervised_loop`): an exception from ``handle`` is
+    reported and the next message is served. Waits at most 100 ms at a time, so ``stopped``
+    is seen promptly. The side-channel server, cma's grant thread and ucx's control thread
+    all run on this."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+
+    def step() -> None:
+        try:
+            if not poller.poll(100):
+                return
+            parts = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        except zmq.ZMQError as e:
+            if not stopped():
+                logger.warning("%s: receive error: %s", loop, e)
+            return
+        handle(parts)
+
+    supervised_loop(loop, step, stopped)
+
+
 class SideChannelServer:
     """A ROUTER socket served by one thread; ``responder`` answers each decoded message."""
 
@@ -151,21 +178,9 @@ class SideChannelServer:
         self._thread.start()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        supervised_loop("side-channel server", lambda: self._serve_one(poller), lambda: self._stop.is_set())
+        serve_socket("side-channel server", self._sock, self._answer, self._stop.is_set)
 
-    def _serve_one(self, poller: zmq.Poller) -> None:
-        try:
-            if not poller.poll(100):
-                return
-            parts = self._sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        except zmq.ZMQError as e:
-            if not self._stop.is_set():
-                logger.warning("side channel receive error: %s", e)
-            return
+    def _answer(self, parts: list[bytes]) -> None:
         if len(parts) != 3 or parts[1] != b"":
             return  # not a DEALER request frame; nothing to answer
         identity, _, frame = parts

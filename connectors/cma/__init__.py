@@ -48,8 +48,9 @@ from kvxfer.dataplane import (
     check_bounds,
     check_read,
 )
+from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
-from kvxfer.supervise import code_of, describe, report, supervised_loop
+from kvxfer.supervise import code_of, describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -245,18 +246,10 @@ class CmaDataPlane(HostRegionPlane):
     # ------------------------------------------------------------------ producer
     def _serve(self) -> None:
         """The grant thread (producer side). Supervised: only closing the plane ends it."""
-        poller = zmq.Poller()
-        poller.register(self._ctrl, zmq.POLLIN)
-        supervised_loop("cma grants", lambda: self._serve_one(poller), lambda: self._closed)
+        serve_socket("cma grants", self._ctrl, self._on_control, lambda: self._closed)
         self._ctrl.close(linger=0)
 
-    def _serve_one(self, poller: zmq.Poller) -> None:
-        try:
-            if not poller.poll(100):
-                return
-            parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return
+    def _on_control(self, parts: list[bytes]) -> None:
         if len(parts) != 2:
             return
         ident, payload = parts

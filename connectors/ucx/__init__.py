@@ -67,8 +67,9 @@ from kvxfer.dataplane import (
     check_bounds,
     check_read,
 )
+from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
-from kvxfer.supervise import code_of, describe, report, supervised_loop
+from kvxfer.supervise import code_of, describe, report
 
 logger = logging.getLogger(__name__)
 
@@ -590,18 +591,10 @@ class UcxDataPlane(HostRegionPlane):
     def _control_thread(self) -> None:
         """Hellos and read requests arrive on a ZMQ socket, not a posted UCX receive: with a
         receive always posted, ucxx's blocking progress never re-arms and spins a core."""
-        poller = zmq.Poller()
-        poller.register(self._ctrl, zmq.POLLIN)
-        supervised_loop("ucx control", lambda: self._control_one(poller), lambda: self._closed)
+        serve_socket("ucx control", self._ctrl, self._on_control, lambda: self._closed)
         self._ctrl.close(linger=0)
 
-    def _control_one(self, poller: zmq.Poller) -> None:
-        try:
-            if not poller.poll(100):
-                return
-            parts = self._ctrl.recv_multipart(zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return
+    def _on_control(self, parts: list[bytes]) -> None:
         if len(parts) != 2 or not parts[1]:
             return
         kind, payload = parts[1][:1], parts[1][1:]

@@ -316,7 +316,7 @@ class Consumer:
         if isinstance(job, _BeginLoad):
             self._begin(job.load)
         elif isinstance(job, _AbandonRequest):
-            self._abandon(job)
+            self._send_abandon(job.params, job.reason)
         elif isinstance(job, _RenewNow):
             next_renew = self.clock()
         self._poll_plane()
@@ -495,7 +495,7 @@ class Consumer:
         due = [b for b in self._read_again if b.read_again_at is not None and b.read_again_at <= now]
         if not due:
             return
-        self._read_again = [b for b in self._read_again if b not in due]
+        self._read_again = [b for b in self._read_again if b.read_again_at is not None and b.read_again_at > now]
         for batch in due:
             try:
                 self._issue(batch)
@@ -594,9 +594,7 @@ class Consumer:
         self._release_staging(load)
         logger.warning("request %s: load from %s failed (%s): %s", load.request_id, load.params.engine_id,
                        code.value, why)
-        for r in load.params.ranks:
-            self._notices.put(_Notice(r, Abandon(request_id=load.params.request_id, generation=r.generation,
-                                                 reason=why[:1000], token=self._token_for(load.params.engine_id, r))))
+        self._send_abandon(load.params, why)
         self._report_failed(load, code, why, timed_out)
 
     def _report_failed(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
@@ -622,11 +620,11 @@ class Consumer:
         peer = self._peers.get((engine_id, r.rank))
         return peer.token if peer is not None and peer.meta.generation == r.generation else b""
 
-    def _abandon(self, job: _AbandonRequest) -> None:
-        p = job.params
+    def _send_abandon(self, p: KVTransferParams, reason: str) -> None:
+        """Tell every producer rank of ``p`` to free the request now (worker thread: it knows the tokens)."""
         for r in p.ranks:
             self._notices.put(_Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
-                                                 reason=job.reason[:1000], token=self._token_for(p.engine_id, r))))
+                                                 reason=reason[:1000], token=self._token_for(p.engine_id, r))))
 
     def _renew_interval(self) -> float:
         """A third of the shortest lease among waiting requests (the producer's, from params)."""
