@@ -275,6 +275,10 @@ class ConnectorConfig(Config, frozen=True):
     # Stage device caches through a host mirror (batched block copies): auto = when the cache
     # is not on the CPU; always = also for CPU caches (tests the path without a GPU).
     host_staging: Literal["auto", "always", "never"] = "auto"
+    # Where the rank's data path runs: in a transfer agent process of its own (its bytes never
+    # wait for the engine's GIL), in the engine's process, or auto: the agent for every data
+    # plane that works across processes (all but ``local``).
+    data_path: Literal["auto", "agent", "engine"] = "auto"
 
     @check("data_plane")
     def _check_data_plane(self) -> Iterator[Problem]:

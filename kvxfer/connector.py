@@ -11,6 +11,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -53,11 +54,48 @@ from kvxfer.transfer.planner import region_info, spec_info
 from kvxfer.transfer.producer import HoldRegistry
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "BatchResult", "Connector", "DataPlane", "Descriptors", "Finished", "FinishedAggregator",
-    "KVTransferParams", "ReadValidator", "TokenChecker", "available_data_planes", "check_bounds", "load_data_plane",
+    "ENTRY_POINT_GROUP", "BatchResult", "Connector", "DataPlane", "Descriptors", "EngineConnector", "Finished",
+    "FinishedAggregator", "KVTransferParams", "ReadValidator", "TokenChecker", "available_data_planes",
+    "check_bounds", "load_data_plane",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def check_cache(config: InstanceConfig, rank: int, cache: KVCache) -> None:
+    """The cache an engine registers must be the one the config describes for ``rank``."""
+    expect = spec_from_config(config, rank // config.parallel.tp)
+    got = cache.spec
+    for f in ("num_layers", "first_layer", "num_kv_heads", "head_size", "block_size", "dtype", "mla"):
+        if getattr(expect, f) != getattr(got, f):
+            raise ValueError(f"register_kv_caches: cache {f}={getattr(got, f)!r} but the config gives "
+                             f"{getattr(expect, f)!r} for rank {rank}")
+
+
+class EngineConnector(Protocol):
+    """What an engine may call on a rank's connector, wherever its data path runs."""
+
+    config: InstanceConfig
+    rank: int
+
+    @property
+    def metrics(self) -> ConnectorMetrics: ...
+    def register_kv_caches(self, cache: KVCache) -> None: ...
+    @property
+    def side_channel_port(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    def poll(self, timeout_s: float = 0.0) -> Finished: ...
+    def stats(self) -> dict[str, float]: ...
+    @property
+    def broken(self) -> str | None: ...
+    def close(self) -> None: ...
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams: ...
+    def release(self, request_id: str) -> bool: ...
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
+                   num_cached_tokens: int = 0) -> None: ...
+    def wait(self, request_id: str, params: KVTransferParams) -> None: ...
+    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None: ...
 
 
 class Connector:
@@ -95,7 +133,23 @@ class Connector:
         self.metrics.producer = self._producer_stats
 
     @classmethod
-    def from_config(cls, config: InstanceConfig, rank: int = 0) -> Connector:
+    def from_config(cls, config: InstanceConfig, rank: int = 0) -> EngineConnector:
+        """The rank's connector: its data path in a transfer agent process, or in this one
+        (``connector.data_path``; see :mod:`kvxfer.agent.client`)."""
+        plane_cls = load_data_plane(config.connector.name)
+        where = config.connector.data_path
+        if where == "agent" and not plane_cls.cross_process:
+            raise ValueError(f"connector.data_path: agent, but the {config.connector.name!r} data plane only "
+                             "reaches planes of its own process; use engine (or auto)")
+        if where == "agent" or (where == "auto" and plane_cls.cross_process):
+            from kvxfer.agent.client import AgentConnector
+
+            return AgentConnector(config, rank)
+        return cls.in_process(config, rank)
+
+    @classmethod
+    def in_process(cls, config: InstanceConfig, rank: int = 0) -> Connector:
+        """The rank's connector with its data path in this process (a transfer agent runs this)."""
         plane_cls = load_data_plane(config.connector.name)
         options = dict(config.connector.data_plane)
         known = plane_cls.known_options or frozenset()  # defaults for the planes that take these options
@@ -110,12 +164,7 @@ class Connector:
         """Register this rank's cache with the data plane and start serving the side channel."""
         if self.cache is not None:
             raise RuntimeError("register_kv_caches: already registered")
-        expect = spec_from_config(self.config, self.pp_rank)
-        got = cache.spec
-        for f in ("num_layers", "first_layer", "num_kv_heads", "head_size", "block_size", "dtype", "mla"):
-            if getattr(expect, f) != getattr(got, f):
-                raise ValueError(f"register_kv_caches: cache {f}={getattr(got, f)!r} but the config gives "
-                                 f"{getattr(expect, f)!r} for rank {self.rank}")
+        check_cache(self.config, self.rank, cache)
         self.device_cache: KVCache | None = None
         staging = self.config.connector.host_staging
         if staging == "always" or (staging == "auto" and cache.device.type != "cpu"):

@@ -18,7 +18,7 @@ import torch
 
 from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import InstanceConfig
-from kvxfer.connector import Connector
+from kvxfer.connector import Connector, EngineConnector
 from kvxfer.engine.model import Span, Transformer
 from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import ErrorCode, KVTransferParams
@@ -146,7 +146,7 @@ class Worker:
         self.metrics_server: MetricsServer | None = None
         self.cache = allocate_kv_cache(spec_from_config(cfg, self.pp_rank), cfg.cache.num_blocks, cfg.cache.device,
                                        cfg.cache.huge_pages)
-        self.connector: Connector | None = None
+        self.connector: EngineConnector | None = None
         if cfg.role in ("prefill", "decode"):
             self.connector = Connector.from_config(cfg, rank)
             self.connector.register_kv_caches(self.cache)

@@ -68,7 +68,7 @@ from kvxfer.config import (
     unauthenticated_refusal,
     warn_unauthenticated,
 )
-from kvxfer.connector import Connector
+from kvxfer.connector import Connector, EngineConnector
 from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import KVTransferParams, RemoteRank
 from kvxfer.topology import ParallelLayout
@@ -326,7 +326,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._matched: dict[str, int] = {}  # request id -> tokens vLLM had computed locally
         self._ranks: dict[int, RemoteRank] = {}
         # worker side
-        self.connector: Connector | None = None
+        self.connector: EngineConnector | None = None
         self.metrics_server: MetricsServer | None = None
         self._invalid: set[int] = set()
         self._failed_now: set[str] = set()  # loads refused at start: reported at the next poll

@@ -1,0 +1,101 @@
+"""A framed message stream over one end of a Unix socket pair, between an engine and its agent.
+
+Frames are a 4-byte little-endian length and a msgpack body (msgspec Structs, tagged; nothing is
+unpickled). ``send`` is safe from several threads; ``recv`` belongs to one thread at a time.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+MAX_FRAME = 64 << 20  # a hold or load of a million blocks still fits
+_HEADER = struct.Struct("<I")
+
+
+class ChannelClosed(ConnectionError):
+    """The other end closed the socket (its process exited or closed the channel)."""
+
+
+class Channel:
+    """Length-prefixed msgspec messages over a stream socket; it receives ``message_type``."""
+
+    def __init__(self, sock: socket.socket, message_type: Any) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(message_type)
+        self._send_lock = threading.Lock()
+        self._buf = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: Any) -> None:
+        body = self._encoder.encode(msg)
+        if len(body) > MAX_FRAME:
+            raise ValueError(f"{type(msg).__name__} of {len(body)} bytes exceeds the channel's {MAX_FRAME}")
+        with self._send_lock:
+            try:
+                self.sock.sendall(_HEADER.pack(len(body)) + body)
+            except OSError as e:
+                raise ChannelClosed(f"send failed: {e}") from None
+
+    def _frame(self) -> Any | None:
+        """One complete frame from the buffer, decoded, or None."""
+        if len(self._buf) < _HEADER.size:
+            return None
+        (n,) = _HEADER.unpack_from(self._buf)
+        if n > MAX_FRAME:
+            raise ChannelClosed(f"a frame of {n} bytes exceeds the channel's {MAX_FRAME}")
+        if len(self._buf) < _HEADER.size + n:
+            return None
+        body = bytes(self._buf[_HEADER.size:_HEADER.size + n])
+        del self._buf[:_HEADER.size + n]
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ChannelClosed(f"an undecodable frame ({e}); the channel cannot go on") from None
+
+    def _fill(self, timeout_s: float | None) -> bool:
+        """Read what is there (waiting up to ``timeout_s``; None: forever); False if nothing came."""
+        if timeout_s is not None:
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout_s))
+            if not ready:
+                return False
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            raise ChannelClosed(f"receive failed: {e}") from None
+        if not data:
+            raise ChannelClosed("the other end closed the channel")
+        self._buf += data
+        return True
+
+    def recv(self, timeout_s: float | None) -> Any | None:
+        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout."""
+        if timeout_s is None:
+            while (msg := self._frame()) is None:
+                self._fill(None)
+            return msg
+        deadline = time.monotonic() + timeout_s
+        while (msg := self._frame()) is None:
+            left = deadline - time.monotonic()
+            if not self._fill(max(0.0, left)) and left <= 0:
+                return None
+        return msg
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

@@ -1,0 +1,400 @@
+"""The engine's side of a transfer agent: the ``Connector`` API, carried out in the agent.
+
+``Connector.from_config`` returns an :class:`AgentConnector` when ``connector.data_path`` is
+``agent`` (or ``auto`` with a data plane that can live in another process). The engine's
+thread spends one command round trip per request (the agent checks it and answers at once)
+and a non-blocking read of the event channel per ``poll``; the bytes move in the agent.
+
+A dead or hung agent never hangs the engine: every command has a time limit; an agent that
+exits, or holds a load past its deadline plus ``AGENT_GRACE_S``, is killed and reported
+(``broken``), and every load it had fails with its block ids at the next ``poll``.
+
+Threads: the engine's threads call in; one lock orders commands, another guards the loads
+and events. No thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.agent.channel import Channel, ChannelClosed
+from kvxfer.agent.messages import (
+    AbandonLoad,
+    Close,
+    Done,
+    Event,
+    GetStats,
+    Held,
+    Hold,
+    Ready,
+    Refused,
+    Release,
+    Reply,
+    Start,
+    StartLoad,
+    Stats,
+    Wait,
+)
+from kvxfer.agent.shared import share_tensors
+from kvxfer.cache.staging import copy_blocks, mirror_of
+from kvxfer.cache.tensors import KVCache
+from kvxfer.config import InstanceConfig
+from kvxfer.metrics import ConnectorMetrics
+from kvxfer.protocol import ErrorCode, KVTransferParams
+from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.aggregator import Finished
+
+logger = logging.getLogger(__name__)
+
+AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
+COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
+AGENT_GRACE_S = 5.0  # past a load's deadline (transfer_s) the agent itself fails it; this much later, we do
+
+
+@dataclass
+class _Load:
+    """A load the agent is carrying out: its local blocks, and when it must have finished."""
+
+    block_ids: np.ndarray
+    deadline: float
+
+
+class AgentMetrics(ConnectorMetrics):
+    """The agent's counters, fetched when read (for ``stats()`` and the Prometheus endpoint)."""
+
+    def __init__(self, owner: AgentConnector, engine_id: str, rank: int, plane: str) -> None:
+        super().__init__(engine_id, rank, plane)
+        self.owner = owner
+        self.last: dict[str, float] = {}
+        self.handoff_s = 0.0  # event sent by the agent until poll handed it to the engine
+        self.handoffs = 0
+
+    def snapshot(self) -> dict[str, float]:
+        stats = self.owner._fetch_stats()
+        if stats is not None:
+            with self._lock:
+                self.last = dict(stats.snapshot)
+                self.failed_by_code.clear()
+                self.failed_by_code.update(stats.failed_by_code)
+                for h, s in ((self.handshake_latency, stats.handshake), (self.transfer_latency, stats.transfer)):
+                    h.counts, h.sum, h.count = list(s.counts), s.sum, s.count
+        with self._lock:
+            out = dict(self.last)
+            out["agent_handoff_s"] = self.handoff_s
+            out["agent_handoffs"] = float(self.handoffs)
+        if self.owner.broken is not None:
+            out["broken"] = 1.0
+        return out
+
+
+class AgentConnector:
+    """A rank's connector whose data path runs in a transfer agent process (see the module doc)."""
+
+    def __init__(self, config: InstanceConfig, rank: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 <= rank < config.world_size:
+            raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
+        if config.connector.mode != "pull":
+            raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
+        self.config = config
+        self.rank = rank
+        self.tp_rank = rank % config.parallel.tp
+        self.pp_rank = rank // config.parallel.tp
+        self.layout = ParallelLayout.from_config(config)
+        self.clock = clock
+        self.metrics = AgentMetrics(self, config.engine_id, rank, config.connector.name)
+        self.cache: KVCache | None = None
+        self.device_cache: KVCache | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.ready: Ready | None = None
+        self._commands: Channel | None = None
+        self._events: Channel | None = None
+        self._command_lock = threading.Lock()
+        self._lock = threading.Lock()  # the loads, the pending failures, broken
+        self._loads: dict[str, _Load] = {}
+        self._failed = Finished()  # failures found here (agent dead), reported at the next poll
+        self._broken: str | None = None  # the agent's own reason, from its events
+        self._dead: str | None = None  # why the agent is gone
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def register_kv_caches(self, cache: KVCache) -> None:
+        """Share the cache's memory with a new agent, and wait until it serves the side channel."""
+        from kvxfer.connector import check_cache
+
+        if self.cache is not None:
+            raise RuntimeError("register_kv_caches: already registered")
+        check_cache(self.config, self.rank, cache)
+        staging = self.config.connector.host_staging
+        if staging == "always" or (staging == "auto" and cache.device.type != "cpu"):
+            self.device_cache, cache = cache, mirror_of(cache)  # the agent maps the host mirror
+            logger.info("rank %d: staging a %s cache through a host mirror", self.rank, self.device_cache.device)
+        shared = share_tensors(cache)
+        engine_cmd, agent_cmd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        engine_evt, agent_evt = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = [agent_cmd.fileno(), agent_evt.fileno(), *(t.fd for t in shared)]
+        env = dict(os.environ)
+        env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno())],
+                pass_fds=fds, env=env, close_fds=True)
+        finally:
+            agent_cmd.close()
+            agent_evt.close()
+        self._commands = Channel(engine_cmd, Reply)
+        self._events = Channel(engine_evt, Event)
+        import msgspec
+
+        start = Start(config=msgspec.to_builtins(self.config), rank=self.rank, tensors=shared,
+                      num_blocks=cache.num_blocks, sys_path=[p for p in sys.path if p])
+        try:
+            reply = self._call(start, AGENT_START_S)
+        except RuntimeError:
+            self._kill()
+            raise
+        if isinstance(reply, Refused):
+            self._kill()
+            raise (ValueError if reply.kind == "value" else RuntimeError)(f"transfer agent: {reply.message}")
+        if not isinstance(reply, Ready):
+            self._kill()
+            raise RuntimeError(f"transfer agent: expected Ready, got {type(reply).__name__}")
+        self.ready = reply
+        self.cache = cache
+        logger.info("rank %d: transfer agent pid %d serves the side channel on port %d (%s)", self.rank,
+                    self.process.pid, reply.port, reply.plane)
+
+    @property
+    def side_channel_port(self) -> int:
+        if self.ready is None:
+            raise RuntimeError("not registered")
+        return self.ready.port
+
+    @property
+    def generation(self) -> int:
+        if self.ready is None:
+            raise RuntimeError("not registered")
+        return self.ready.generation
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.process is not None and self._dead is None:
+            try:
+                self._call(Close(), COMMAND_S)
+            except RuntimeError as e:
+                logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
+        self._kill(wait_s=10.0)
+        for ch in (self._commands, self._events):
+            if ch is not None:
+                ch.close()
+
+    def _kill(self, wait_s: float = 0.0) -> None:
+        p = self.process
+        if p is None:
+            return
+        try:
+            p.wait(timeout=wait_s) if wait_s else None
+        except subprocess.TimeoutExpired:
+            pass
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+    # ------------------------------------------------------------------ commands
+    def _call(self, cmd: Any, timeout_s: float = COMMAND_S) -> Reply:
+        """Send one command and wait for its answer; a dead or silent agent raises RuntimeError."""
+        if self._commands is None:
+            raise RuntimeError("register_kv_caches first")
+        if self._dead is not None:
+            raise RuntimeError(f"rank {self.rank}: {self._dead}")
+        with self._command_lock:
+            try:
+                self._commands.send(cmd)
+                reply = self._commands.recv(timeout_s)
+            except ChannelClosed:
+                reply = None
+                self._agent_died("exited")
+            else:
+                if reply is None:
+                    self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
+        if reply is None:
+            raise RuntimeError(f"rank {self.rank}: {self._dead}")
+        return reply
+
+    def _checked(self, reply: Reply) -> Reply:
+        if isinstance(reply, Refused):
+            raise (ValueError if reply.kind == "value" else RuntimeError)(reply.message)
+        return reply
+
+    def _agent_died(self, how: str) -> None:
+        """The agent is gone (or made to go): kill it, and fail every load it had."""
+        p = self.process
+        if p is not None and p.poll() is None:
+            p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        code = p.returncode if p is not None else None
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = f"transfer agent (pid {p.pid if p else '?'}) {how}" + (
+                f"; exit code {code}" if code is not None else "")
+            loads, self._loads = self._loads, {}
+            for rid, load in loads.items():
+                self._failed.failed[rid] = load.block_ids.tolist()
+                self._failed.errors[rid] = f"cannot load: {self._dead}"
+                self._failed.codes[rid] = ErrorCode.PLANE_BROKEN
+        if not self._closed:
+            logger.error("rank %d: %s; every load on this rank fails from now on", self.rank, self._dead)
+
+    # ------------------------------------------------------------------ producer
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams:
+        """Pin a finished prompt's blocks for the decode side; returns what it needs to read them."""
+        if self.cache is None:
+            raise RuntimeError("hold: register_kv_caches first")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        need = -(-num_tokens // self.cache.spec.block_size)
+        if ids.ndim != 1 or len(ids) < need:
+            raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} blocks, got {len(ids)}")
+        if self.device_cache is not None:  # the blocks must be on the host before anyone reads them
+            if ids[:need].min() < 0 or ids[:need].max() >= self.cache.num_blocks:
+                raise ValueError(f"request {request_id}: block ids must be in [0, {self.cache.num_blocks})")
+            copy_blocks(self.device_cache, self.cache, ids[:need])
+        reply = self._checked(self._call(Hold(request_id, ids.tolist(), num_tokens)))
+        assert isinstance(reply, Held)
+        return reply.params
+
+    def release(self, request_id: str) -> bool:
+        """The engine frees a hold itself (e.g. the request was cancelled)."""
+        if self._dead is not None:
+            return False
+        reply = self._checked(self._call(Release(request_id)))
+        return isinstance(reply, Done) and reply.value
+
+    # ------------------------------------------------------------------ consumer
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
+                   num_cached_tokens: int = 0) -> None:
+        """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
+        if self.config.role not in ("decode", "both"):
+            raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
+        ids = np.asarray(local_block_ids, dtype=np.int64)
+        need = -(-params.num_tokens // self.config.cache.block_size)
+        with self._lock:
+            if request_id in self._loads:
+                raise ValueError(f"request {request_id} is already loading")
+            dead = self._dead
+        if dead is not None:  # as a broken rank does: the load fails at the next poll
+            with self._lock:
+                self._failed.failed[request_id] = ids[:need].tolist()
+                self._failed.errors[request_id] = f"cannot load: {dead}"
+                self._failed.codes[request_id] = ErrorCode.PLANE_BROKEN
+            return
+        with self._lock:  # before the command: the agent may report it finished before we read the reply
+            self._loads[request_id] = _Load(ids[:need], self.clock() + self.config.connector.timeouts.transfer_s)
+        try:
+            self._checked(self._call(StartLoad(request_id, params, ids.tolist(), num_cached_tokens)))
+        except ValueError:
+            with self._lock:
+                self._loads.pop(request_id, None)
+            raise
+        except RuntimeError:
+            with self._lock:
+                if self._dead is None:  # refused for another reason: not loading
+                    self._loads.pop(request_id, None)
+            if self._dead is None:
+                raise
+
+    def wait(self, request_id: str, params: KVTransferParams) -> None:
+        """The request is queued here: renew its producer holds until it is loaded or abandoned."""
+        self._consumer_command(Wait(request_id, params))
+
+    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
+        """The request will not be loaded: the producers free its blocks at once."""
+        self._consumer_command(AbandonLoad(request_id, params, reason))
+
+    def _consumer_command(self, cmd: Wait | AbandonLoad) -> None:
+        if self.config.role not in ("decode", "both"):
+            raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
+        if self._dead is None:
+            self._checked(self._call(cmd))
+
+    # ------------------------------------------------------------------ both
+    def poll(self, timeout_s: float = 0.0) -> Finished:
+        """Holds released, loads finished, loads failed (with their invalid block ids).
+
+        Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event."""
+        out = Finished()
+        events = self._events
+        if events is not None and self._dead is None:
+            try:
+                ev = events.recv(timeout_s)
+                while ev is not None:
+                    self._take(ev, out)
+                    ev = events.recv(0.0)
+            except ChannelClosed:
+                self._agent_died("exited")
+            self._check_deadlines()
+        with self._lock:
+            if self._failed:
+                out.extend(self._failed)
+                self._failed = Finished()
+        return out
+
+    def _take(self, ev: Event, out: Finished) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid in ev.receiving:
+                load = self._loads.pop(rid, None)
+                if load is not None and self.device_cache is not None and self.cache is not None:
+                    copy_blocks(self.cache, self.device_cache, load.block_ids)
+            for rid in ev.failed:
+                self._loads.pop(rid, None)
+            self._broken = ev.broken
+        with self.metrics._lock:
+            self.metrics.handoff_s += (now - ev.sent_at) * (len(ev.receiving) + len(ev.failed))
+            self.metrics.handoffs += len(ev.receiving) + len(ev.failed)
+        out.sending.extend(ev.sending)
+        out.receiving.extend(ev.receiving)
+        for rid, ids in ev.failed.items():
+            out.failed.setdefault(rid, []).extend(ids)
+        out.errors.update(ev.errors)
+        out.codes.update(ev.codes)
+
+    def _check_deadlines(self) -> None:
+        now = self.clock()
+        with self._lock:
+            late = [rid for rid, load in self._loads.items() if now > load.deadline + AGENT_GRACE_S]
+        if late:
+            self._agent_died(f"held load {late[0]} past its deadline by {AGENT_GRACE_S:g} s (killed)")
+
+    def stats(self) -> dict[str, float]:
+        """Counters of this rank's connector, from its agent (see :class:`ConnectorMetrics`)."""
+        return self.metrics.snapshot()
+
+    def _fetch_stats(self) -> Stats | None:
+        if self._dead is not None or self._commands is None:
+            return None
+        try:
+            reply = self._call(GetStats())
+        except RuntimeError:
+            return None
+        return reply if isinstance(reply, Stats) else None
+
+    @property
+    def broken(self) -> str | None:
+        """Why this rank cannot load any more, or None while it can."""
+        return self._dead or self._broken

@@ -1,0 +1,194 @@
+"""The transfer agent: one process per engine rank that owns the rank's data path.
+
+The agent runs the rank's :class:`kvxfer.connector.Connector` (side channel, consumer worker,
+data plane, holds) over the engine's cache, mapped from shared memory. Every byte moves on
+the agent's threads, under the agent's own GIL: an engine whose Python is busy does not slow
+its transfers, and the engine spends a command round trip per request, not a GIL hand-off
+per piece. The agent exits when its engine closes the command channel (or dies).
+
+Threads: the main thread answers commands, in order; the event thread polls the connector
+and sends what finished. Nothing else in the process touches the channels.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+import msgspec
+
+from kvxfer.agent.channel import Channel, ChannelClosed
+from kvxfer.agent.messages import (
+    AbandonLoad,
+    Close,
+    Command,
+    Done,
+    Event,
+    Finished,
+    GetStats,
+    Held,
+    HistogramState,
+    Hold,
+    Ready,
+    Refused,
+    Release,
+    Reply,
+    Start,
+    StartLoad,
+    Stats,
+    Wait,
+)
+from kvxfer.agent.shared import map_cache
+from kvxfer.cache.spec import spec_from_config
+from kvxfer.config import InstanceConfig, convert
+from kvxfer.connector import Connector
+from kvxfer.metrics import Histogram
+from kvxfer.supervise import report
+
+logger = logging.getLogger(__name__)
+
+START_WAIT_S = 60.0  # the engine sends Start right after spawning us
+EVENT_WAIT_S = 0.02  # the event thread's longest sleep: hold releases and lease expiry run this often
+
+
+def _hist(h: Histogram) -> HistogramState:
+    return HistogramState(counts=list(h.counts), sum=h.sum, count=h.count)
+
+
+class Agent:
+    """One rank's connector, driven over two channels by its engine (see the module doc)."""
+
+    def __init__(self, commands: Channel, events: Channel) -> None:
+        self.commands = commands
+        self.events = events
+        self.conn: Connector | None = None
+        self._stop = threading.Event()
+        self._broken: str | None = None
+
+    def run(self) -> int:
+        start = self.commands.recv(START_WAIT_S)
+        if not isinstance(start, Start):
+            logger.error("transfer agent: expected Start from the engine, got %s", type(start).__name__)
+            return 2
+        try:
+            self.conn = self._start(start)
+        except (ValueError, RuntimeError, OSError) as e:
+            logger.error("transfer agent: cannot start: %s", e)
+            self.commands.send(Refused(kind="value" if isinstance(e, ValueError) else "runtime", message=str(e)))
+            return 1
+        conn = self.conn
+        self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
+        notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
+        notifier.start()
+        try:
+            while True:
+                try:
+                    cmd = self.commands.recv(None)
+                except ChannelClosed:
+                    logger.info("transfer agent rank %d: the engine closed the channel; exiting", conn.rank)
+                    break
+                if isinstance(cmd, Close):
+                    self._stop.set()
+                    notifier.join(timeout=5)
+                    conn.close()
+                    self.conn = None
+                    self.commands.send(Done())
+                    break
+                if cmd is not None:
+                    self._reply(self._answer(cmd))
+        finally:
+            self._stop.set()
+            if self.conn is not None:
+                self.conn.close()
+        return 0
+
+    def _reply(self, reply: Reply) -> None:
+        try:
+            self.commands.send(reply)
+        except ChannelClosed:
+            pass  # the engine is gone; the next receive ends the loop
+
+    def _start(self, start: Start) -> Connector:
+        for p in start.sys_path:
+            if p not in sys.path:
+                sys.path.append(p)
+        cfg = convert(start.config, InstanceConfig, "<engine's config>")
+        # The engine stages device caches itself; here the cache is the engine's host memory.
+        cfg = msgspec.structs.replace(
+            cfg, connector=msgspec.structs.replace(cfg.connector, data_path="engine", host_staging="never"))
+        pp_rank = start.rank // cfg.parallel.tp
+        cache = map_cache(spec_from_config(cfg, pp_rank), start.num_blocks, start.tensors)
+        conn = Connector.in_process(cfg, start.rank)
+        try:
+            conn.register_kv_caches(cache)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _answer(self, cmd: Command) -> Reply:
+        conn = self.conn
+        assert conn is not None
+        try:
+            if isinstance(cmd, Hold):
+                return Held(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens))
+            if isinstance(cmd, StartLoad):
+                conn.start_load(cmd.request_id, cmd.params, cmd.local_block_ids, cmd.num_cached_tokens)
+                return Done()
+            if isinstance(cmd, Release):
+                return Done(value=conn.release(cmd.request_id))
+            if isinstance(cmd, Wait):
+                conn.wait(cmd.request_id, cmd.params)
+                return Done()
+            if isinstance(cmd, AbandonLoad):
+                conn.abandon(cmd.request_id, cmd.params, cmd.reason)
+                return Done()
+            if isinstance(cmd, GetStats):
+                m = conn.metrics
+                snap = conn.stats()
+                with m._lock:
+                    return Stats(snapshot=snap, failed_by_code=dict(m.failed_by_code),
+                                 handshake=_hist(m.handshake_latency), transfer=_hist(m.transfer_latency),
+                                 broken=conn.broken)
+            return Refused(kind="runtime", message=f"{type(cmd).__name__} is not a command the agent answers")
+        except ValueError as e:
+            return Refused(kind="value", message=str(e))
+        except Exception as e:  # the command failed in the agent: the engine raises it; we go on
+            report(f"agent command {type(cmd).__name__}", e, "the command (refused)")
+            return Refused(kind="runtime", message=f"{type(e).__name__}: {e}")
+
+    def _send_events(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        while not self._stop.is_set():
+            try:
+                out = conn.poll(EVENT_WAIT_S if conn.consumer is not None else 0.0)
+                broken = conn.broken
+                if out or broken != self._broken:
+                    self._broken = broken
+                    self.events.send(Finished(sending=out.sending, receiving=out.receiving, failed=out.failed,
+                                              errors=out.errors, codes=out.codes, broken=broken,
+                                              sent_at=time.monotonic()))
+                if conn.consumer is None:
+                    self._stop.wait(EVENT_WAIT_S)
+            except ChannelClosed:
+                return
+            except Exception as e:
+                report("agent events", e, "one poll")
+                self._stop.wait(EVENT_WAIT_S)
+
+
+def main(argv: list[str]) -> int:
+    import socket
+
+    if len(argv) != 2:
+        print("usage: python -m kvxfer.agent COMMAND_FD EVENT_FD (started by the engine's connector)", file=sys.stderr)
+        return 2
+    commands = Channel(socket.socket(fileno=int(argv[0])), Command)
+    events = Channel(socket.socket(fileno=int(argv[1])), Event)
+    return Agent(commands, events).run()
+
+
+__all__ = ["Agent", "Event", "main"]

@@ -1,0 +1,61 @@
+"""Cache memory an engine and its transfer agent both map: no copy per transfer.
+
+The engine's cache tensors move into shared memory once, at registration, in place: torch
+swaps each storage's memory for a shared-memory file of the same bytes, so every view the
+engine (or vLLM) already holds sees the shared pages. The agent maps the same files by
+descriptor and builds its own tensors over them. Tensors allocated by
+:func:`kvxfer.cache.tensors.allocate_kv_cache` with ``shared=True`` are shared from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import torch
+
+from kvxfer.agent.messages import SharedTensor
+from kvxfer.cache.spec import KVCacheSpec
+from kvxfer.cache.tensors import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def share_tensors(cache: KVCache) -> list[SharedTensor]:
+    """Each tensor of ``cache`` as (memory file, offset, size); moves storages to shared memory."""
+    out = []
+    moved = 0
+    for name, t in zip(cache.names, cache.tensors, strict=True):
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor {name}: a transfer agent maps host memory; this one is on {t.device}")
+        storage = t.untyped_storage()
+        if not storage.is_shared():
+            moved += storage.nbytes()
+            storage.share_memory_()
+        fd, size = storage._share_fd_cpu_()  # torch keeps the descriptor open while the storage lives
+        offset = t.data_ptr() - storage.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"tensor {name}: {nbytes} bytes at offset {offset} lie outside its storage of {size}")
+        out.append(SharedTensor(fd=fd, offset=offset, nbytes=nbytes, shape=list(t.shape)))
+    if moved:
+        logger.info("moved %.1f MiB of KV cache into shared memory for the transfer agent", moved / 2**20)
+    return out
+
+
+def map_cache(spec: KVCacheSpec, num_blocks: int, tensors: list[SharedTensor]) -> KVCache:
+    """The agent's view of the engine's cache: tensors over the same shared memory."""
+    views: list[torch.Tensor] = []
+    buffers: list[object] = []
+    for st in tensors:
+        size = os.fstat(st.fd).st_size
+        if st.offset + st.nbytes > size:
+            raise ValueError(f"shared tensor: {st.nbytes} bytes at {st.offset} exceed its memory file of {size}")
+        buf = mmap.mmap(st.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buffers.append(buf)
+        raw = torch.frombuffer(buf, dtype=torch.uint8)[st.offset:st.offset + st.nbytes]
+        views.append(raw.view(spec.torch_dtype).view(st.shape))
+    cache = KVCache(spec=spec, num_blocks=num_blocks, tensors=views, names=[])
+    cache._buffers = buffers
+    return cache
