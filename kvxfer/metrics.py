@@ -92,6 +92,13 @@ class ConnectorMetrics:
         self.producer: Callable[[], dict[str, float]] = dict  # held blocks, refused reads: read when asked
         self.failed_by_code: Counter[str] = Counter()
         self.broken: str | None = None  # why this rank's loading cannot go on (every load fails at once)
+        # where a successful load's time went, summed over ``stage_loads`` loads (seconds):
+        # queue, plan, transfer, complete (see Consumer); handoff (finished by the worker until
+        # ``poll`` gave it to the engine) over ``stage_handoffs`` loads
+        self.stages = [0.0, 0.0, 0.0, 0.0]
+        self.stage_loads = 0
+        self.stage_handoff_s = 0.0
+        self.stage_handoffs = 0
 
     # -------------------------------------------------------------- updates
     def load_started(self) -> None:
@@ -100,17 +107,33 @@ class ConnectorMetrics:
             self.busy.start()
 
     def load_finished(self, seconds: float, nbytes: int = 0, error: str | None = None,
-                      timed_out: bool = False, code: ErrorCode | None = None) -> None:
+                      timed_out: bool = False, code: ErrorCode | None = None,
+                      stages: tuple[float, float, float, float] | None = None) -> None:
+        """``stages``: a successful load's queue, plan, transfer and complete seconds."""
         with self._lock:
             self.busy.stop()
             self.transfer_latency.observe(seconds)
             if error is None:
                 self.loads_ok += 1
                 self.bytes += nbytes
+                if stages is not None:
+                    st = self.stages
+                    st[0] += stages[0]
+                    st[1] += stages[1]
+                    st[2] += stages[2]
+                    st[3] += stages[3]
+                    self.stage_loads += 1
             else:
                 self.loads_failed += 1
                 self.timeouts += timed_out
                 self.failed_by_code[(code or ErrorCode.INTERNAL).value] += 1
+
+    def handed_off(self, loads: int, seconds: float) -> None:
+        """``loads`` finished loads reached the engine (``poll``), ``seconds`` after the worker
+        finished them (summed)."""
+        with self._lock:
+            self.stage_handoffs += loads
+            self.stage_handoff_s += seconds
 
     def set_broken(self, why: str) -> None:
         with self._lock:
@@ -135,7 +158,10 @@ class ConnectorMetrics:
                    "load_timeouts": self.timeouts, "bytes_received": self.bytes, "descriptors": self.descriptors,
                    "handshakes": self.handshakes, "handshake_s": self.handshake_s, "busy_s": busy,
                    "throughput_gbps": self.bytes / busy / 1e9 if busy > 0 else 0.0,
-                   "broken": int(self.broken is not None), "loop_errors": loop_errors()}
+                   "broken": int(self.broken is not None), "loop_errors": loop_errors(),
+                   "stage_loads": self.stage_loads, "stage_queue_s": self.stages[0], "stage_plan_s": self.stages[1],
+                   "stage_transfer_s": self.stages[2], "stage_complete_s": self.stages[3],
+                   "stage_handoffs": self.stage_handoffs, "stage_handoff_s": self.stage_handoff_s}
             out.update({f"loads_failed_{code}": n for code, n in self.failed_by_code.items()})
         out.update(self.producer())
         return {k: float(v) for k, v in out.items()}
@@ -150,7 +176,14 @@ class ConnectorMetrics:
                     ("loads_failed", "KV loads failed (blocks recycled)"), ("load_timeouts", "KV loads timed out"),
                     ("bytes_received", "KV bytes loaded"), ("descriptors", "read descriptors after coalescing"),
                     ("handshakes", "side-channel handshakes"), ("refused_reads", "reads refused by the producer"),
-                    ("loop_errors", "exceptions caught at the top of kvxfer's loops in this process (each logged)")]
+                    ("loop_errors", "exceptions caught at the top of kvxfer's loops in this process (each logged)"),
+                    ("stage_loads", "loads the stage_*_s sums cover (successful loads)"),
+                    ("stage_queue_s", "seconds from start_load until the consumer worker took the load, summed"),
+                    ("stage_plan_s", "seconds planning a load's reads (incl. a first handshake), summed"),
+                    ("stage_transfer_s", "seconds from a load's first read issued to its last read back, summed"),
+                    ("stage_complete_s", "seconds from a load's last read back to finished (repack, notices), summed"),
+                    ("stage_handoffs", "finished loads handed to the engine by poll"),
+                    ("stage_handoff_s", "seconds from a load finished until poll handed it to the engine, summed")]
         for key, doc in counters:
             if key in snap:
                 c = CounterMetricFamily(f"kvxfer_{key}", doc, labels=names)

@@ -110,6 +110,11 @@ class Load:
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)
     hold_wait_until: float = 0.0  # no more "not held" retries after this (consumer clock)
+    # stage stamps (time.monotonic, comparable across processes; 0: not reached): the worker
+    # picked the load up, its first read went to the plane, its last read came back
+    began_at: float = 0.0
+    issued_at: float = 0.0
+    read_at: float = 0.0
 
     @property
     def invalid_blocks(self) -> list[int]:
@@ -203,6 +208,7 @@ class Consumer:
         self._loads: dict[str, Load] = {}
         self._waiting: dict[str, KVTransferParams] = {}
         self._done = Finished()
+        self._done_at: list[float] = []  # when each load in _done.receiving was finished (handoff stage)
         self._broken: str | None = None  # why loading cannot go on on this rank
         self._ready = threading.Event()  # set whenever _done gains something
         self._jobs: queue.Queue[Job] = queue.Queue()
@@ -267,7 +273,10 @@ class Consumer:
             self._ready.wait(timeout_s)
         with self._lock:
             out, self._done = self._done, Finished()
+            done_at, self._done_at = self._done_at, []
             self._ready.clear()
+        if done_at:
+            self.stats.handed_off(len(done_at), len(done_at) * time.monotonic() - math.fsum(done_at))
         return out
 
     @property
@@ -431,6 +440,7 @@ class Consumer:
                                  ErrorCode.INCOMPATIBLE)
 
     def _begin(self, load: Load) -> None:
+        load.began_at = time.monotonic()
         if self._broken is not None:
             self._fail(load, ErrorCode.PLANE_BROKEN, f"cannot load: {self._broken}")
             return
@@ -486,6 +496,8 @@ class Consumer:
         """Hand a read to the data plane (raises what the plane raises; the caller fails the load)."""
         # the producer knows the request by its own id, which may differ from ours
         batch.read_again_at = None
+        if not batch.load.issued_at:
+            batch.load.issued_at = time.monotonic()
         batch.batch_id = self.plane.read(batch.peer_id, batch.load.params.request_id, batch.descs)
         self._in_flight[batch.batch_id] = batch
 
@@ -516,6 +528,8 @@ class Consumer:
                 self._read_again.append(batch)
                 return
         load.batches.remove(batch)
+        if not load.batches:
+            load.read_at = time.monotonic()
         if not res.ok:
             if load.failure is None:
                 load.failure = (res.code or ErrorCode.INTERNAL, res.error or "read failed")
@@ -578,9 +592,18 @@ class Consumer:
         with self._lock:
             if self._loads.pop(load.request_id, None) is not load:
                 return  # already reported (the engine failed it when the worker had stopped)
+            finished = time.monotonic()
             self._done.receiving.append(load.request_id)
+            self._done_at.append(finished)
             self._ready.set()
-        self.stats.load_finished(time.monotonic() - load.started, load.nbytes)
+        # stages: queue (start_load -> worker), plan (-> first read issued), transfer (-> last read
+        # back), complete (-> reported: repack, on_loaded, notices queued); a load that read
+        # nothing (all prefix hits) has empty plan-to-transfer stages
+        issued = load.issued_at or finished
+        read = load.read_at or issued
+        self.stats.load_finished(finished - load.started, load.nbytes,
+                                 stages=(load.began_at - load.started, issued - load.began_at, read - issued,
+                                         finished - read))
         logger.debug("request %s: loaded %d bytes in %.1f ms", load.request_id, load.nbytes,
                      (time.monotonic() - load.started) * 1e3)
 
