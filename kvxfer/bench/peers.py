@@ -100,6 +100,42 @@ class NixlConsumer:
         finally:
             self.agent.release_xfer_handle(handle)
 
+    def read_many(self, reqs: list[tuple[np.ndarray, ...]], timeout_s: float = 120.0) -> list[float]:
+        """Every request's transfer in flight at once (each: rr, ro, lr, lo, ln), polled in one
+        tight loop as NIXL's callers do; each request's latency, from its own start to seen DONE."""
+        handles: list[Any] = []
+        starts: list[float] = []
+        try:
+            for rr, ro, lr, lo, ln in reqs:
+                starts.append(time.perf_counter())
+                zeros = np.zeros_like(ln)
+                local = np.stack([self.local_bases[lr] + lo, ln, zeros], axis=1)
+                remote = np.stack([self.remote_bases[rr] + ro, ln, zeros], axis=1)
+                handles.append(self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
+                                                          self.agent.get_xfer_descs(remote, "DRAM"), self.remote))
+                if (state := self.agent.transfer(handles[-1])) not in ("PROC", "DONE"):
+                    raise RuntimeError(f"nixl: transfer state {state}")
+            lat = [0.0] * len(handles)
+            pending = list(range(len(handles)))
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nixl: {len(pending)} reads not done in {timeout_s:g}s")
+                left = []
+                for i in pending:
+                    state = self.agent.check_xfer_state(handles[i])
+                    if state == "DONE":
+                        lat[i] = time.perf_counter() - starts[i]
+                    elif state == "PROC":
+                        left.append(i)
+                    else:
+                        raise RuntimeError(f"nixl: transfer state {state}")
+                pending = left
+            return lat
+        finally:
+            for h in handles:
+                self.agent.release_xfer_handle(h)
+
 
 def _mooncake_engine(tensors: list[torch.Tensor]) -> Any:
     """A TCP transfer engine on loopback (P2P handshake: no metadata server) with ``tensors`` registered."""
@@ -146,7 +182,10 @@ CONSUMERS: dict[str, type[NixlConsumer | MooncakeConsumer]] = {"nixl": NixlConsu
 # ------------------------------------------------------------------ a process pair per peer
 
 def producer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, str], conn: Any) -> None:
-    """The peer's producer process: the cache, registered; its info; then wait for "stop"."""
+    """The peer's producer process: the cache, registered; its info; then serve ("spin", on)
+    (a Python thread spinning here, as a busy engine thread would) until None."""
+    from kvxfer.bench.transfer import Spinner
+
     use_peer_env(name, ucx_env)
     cache = make_cache()
     try:
@@ -155,14 +194,34 @@ def producer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.poll(3600)
-    conn.recv()
+    spinner = Spinner()
+    try:
+        while conn.poll(3600):
+            msg = conn.recv()
+            if msg is None:
+                return
+            if msg[0] == "spin":
+                spinner.set(msg[1])
+                conn.send(("ok", None))
+    finally:
+        spinner.set(False)
+
+
+def _read_many(peer: NixlConsumer, reqs: list[tuple[np.ndarray, ...]], lats: list[float]) -> float:
+    t0 = time.perf_counter()
+    lats.extend(peer.read_many(reqs))
+    return time.perf_counter() - t0
 
 
 def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, str], info: bytes,
                   conn: Any) -> None:
-    """The peer's consumer process: for each case sent, time its reads and check the bytes."""
-    from kvxfer.bench.transfer import check_arrived, clear, stat, timed
+    """The peer's consumer process: for each case sent, time its reads and check the bytes.
+
+    A case is a dict: ``op`` "read" (``descs``: rr, ro, lr, lo, ln; one request) or "many"
+    (``reqs``: one such tuple per request, all in flight at once); ``src`` and ``dst`` (every
+    block, to check on arrival), ``budget``, and ``spin`` (a Python thread spinning in this
+    process meanwhile). Answers ("ok", {"times": [...], "lats": [...]}) or ("error", why)."""
+    from kvxfer.bench.transfer import Spinner, check_arrived, clear, timed
 
     use_peer_env(name, ucx_env)
     cache = make_cache()
@@ -172,16 +231,27 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", None))
+    spinner = Spinner()
     while True:
         case = conn.recv()
         if case is None:
             return
-        src, dst, rr, ro, lr, lo, ln, budget = case
         try:
-            clear(cache, dst)
-            times = timed(functools.partial(peer.read, rr, ro, lr, lo, ln), budget)
-            check_arrived(cache, src, dst, name)
-            conn.send(("ok", stat(times, int(ln.sum()))))
+            clear(cache, case["dst"])
+            lats: list[float] = []
+            if case["op"] == "many":
+                if not isinstance(peer, NixlConsumer):
+                    raise NotImplementedError(f"{name}: no concurrent reads in this bench")
+                measure: Callable[[], object] = functools.partial(_read_many, peer, case["reqs"], lats)
+            else:
+                measure = functools.partial(peer.read, *case["descs"])
+            spinner.set(case.get("spin", False))
+            try:
+                times = timed(measure, case["budget"], on_warm=lats.clear)
+            finally:
+                spinner.set(False)
+            check_arrived(cache, case["src"], case["dst"], name)
+            conn.send(("ok", {"times": times, "lats": lats}))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -221,9 +291,16 @@ class PeerPair:
                 return "error", f"no answer in {self.timeout_s:g}s"
         return pipe.recv()
 
-    def measure(self, case: tuple[Any, ...]) -> tuple[str, Any]:
+    def measure(self, case: dict[str, Any]) -> tuple[str, Any]:
         self.cpipe.send(case)
         return self._recv(self.cpipe, self.cproc)
+
+    def spin_producer(self, on: bool) -> None:
+        """Start or stop a Python thread spinning in the producer process."""
+        self.ppipe.send(("spin", on))
+        status, why = self._recv(self.ppipe, self.pproc)
+        if status != "ok":
+            raise RuntimeError(f"producer side: {why}")
 
     def alive(self) -> bool:
         return self.pproc.is_alive() and self.cproc is not None and self.cproc.is_alive()

@@ -15,6 +15,21 @@ this process (the decode rank). For each pattern and size, in the same run:
   each (64 in flight);
 - with ``--peers``: NIXL (UCX backend) and Mooncake (TCP) reading the same pieces.
 
+Each connector row also says where a load's time went (``stages``, from ``Connector.stats()``
+differenced over the trials, per load): queue (start_load until the consumer worker took it),
+plan (planning, until the first read is issued), transfer (until the last read came back),
+complete (repack, done notices queued, until finished), handoff (finished until ``poll``
+returned it to the engine). The engine thread waits in ``poll(timeout_s=...)`` (``--poll
+wait``) or calls ``poll()`` in a tight loop (``--poll busy``, as NIXL's callers do).
+
+``--concurrency N --blocks K``: N requests of K random blocks each in flight at once through
+each connector (start_load all, then poll until all finished) against one request of the
+same N*K blocks: aggregate GB/s, its ratio to the one request, per-request latency p50/p99.
+
+``--busy-engine``: every case again with a Python thread spinning in pure Python in this
+(consumer) process, then in the producer process (peers too, in their own process pair):
+busy/idle ratios of GB/s and p50 latency, for each poll style.
+
 Each connector's ``ratio`` is against its own transport's raw baseline (tcp and Mooncake:
 raw socket; ucx and NIXL: raw ucxx, one message when contiguous, the pieces when random);
 ``x memcpy`` is against memcpy. Times are medians over trials run until a time budget.
@@ -32,10 +47,12 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,11 +63,25 @@ from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelCon
 from kvxfer.connector import Connector, Descriptors, available_data_planes, load_data_plane
 from kvxfer.progress import Progress
 from kvxfer.protocol import KVTransferParams
+from kvxfer.topology import ParallelLayout, remote_sources
+from kvxfer.transfer.aggregator import Finished
+from kvxfer.transfer.planner import SideLayout, plan_direct
 
 TOKENS = [16, 64, 256, 1024, 4096, 8192]
 BLOCK = 16
 RAW_TAG = 0x7A11_0000_0000_0001
 INFLIGHT = 64
+
+
+class Conn(Protocol):
+    """What the bench calls on a connector (what ``Connector.from_config`` returns): the engine's API."""
+
+    def register_kv_caches(self, cache: KVCache) -> None: ...
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVTransferParams: ...
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: list[int]) -> None: ...
+    def poll(self, timeout_s: float = 0.0) -> Finished: ...
+    def stats(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
 
 
 def make_cfg(role: Role, connector: str, num_blocks: int) -> InstanceConfig:
@@ -61,6 +92,30 @@ def make_cfg(role: Role, connector: str, num_blocks: int) -> InstanceConfig:
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
         connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0)),
     )
+
+
+class Spinner:
+    """A Python thread spinning in pure Python while on: an engine thread busy with Python work
+    (it takes the GIL from every other thread of its process for a switch interval at a time)."""
+
+    def __init__(self) -> None:
+        self.stop = True
+        self.thread: threading.Thread | None = None
+
+    def _spin(self) -> None:
+        x = 0
+        while not self.stop:
+            x += 1
+
+    def set(self, on: bool) -> None:
+        if on and self.thread is None:
+            self.stop = False
+            self.thread = threading.Thread(target=self._spin, name="kvxfer-bench-spin", daemon=True)
+            self.thread.start()
+        elif not on and self.thread is not None:
+            self.stop = True
+            self.thread.join()
+            self.thread = None
 
 
 def fill_pattern(cache: KVCache) -> None:
@@ -156,7 +211,7 @@ def bench_cache(num_blocks: int, fill: bool) -> KVCache:
 
 def producer(names: list[str], num_blocks: int, conn: Any) -> None:
     cache = bench_cache(num_blocks, fill=True)
-    conns: dict[str, Connector] = {}
+    conns: dict[str, Conn] = {}
     for name in names:
         conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks))
         conns[name].register_kv_caches(cache)
@@ -169,6 +224,7 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
     raw: socket.socket | None = None
     ucx_raw: UcxRaw | None = None
     n = 0
+    spinner = Spinner()
     from kvxfer.connectors.tcp import send_pieces
 
     try:
@@ -178,6 +234,15 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
             if op == "hold":
                 n += 1
                 conn.send(conns[cmd[1]].hold(f"r{n}", cmd[2], cmd[3]).to_bytes())
+            elif op == "holds":  # one hold per block id list, all at once
+                out = []
+                for ids in cmd[2]:
+                    n += 1
+                    out.append(conns[cmd[1]].hold(f"r{n}", ids, cmd[3]).to_bytes())
+                conn.send(out)
+            elif op == "spin":  # the producer's engine thread busy in Python (a thread standing in for it)
+                spinner.set(cmd[1])
+                conn.send("ok")
             elif op == "poll":
                 for c in conns.values():
                     c.poll()
@@ -191,7 +256,7 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
                     send_pieces(raw, pieces)
             elif op == "ucx_connect":
                 # the ucx connector's plane: its runtime (ucxx, no stubs) is outside the DataPlane API
-                ucx_plane: Any = conns["ucx"].plane
+                ucx_plane: Any = getattr(conns["ucx"], "plane", None)
                 ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])
                 conn.send(ucx_plane.rt.address)
             elif op == "ucx_one":
@@ -205,6 +270,7 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
             elif op == "stop":
                 break
     finally:
+        spinner.set(False)
         for c in conns.values():
             c.close()
         srv.close()
@@ -214,11 +280,13 @@ def producer(names: list[str], num_blocks: int, conn: Any) -> None:
 # ------------------------------------------------------------------ this process
 
 def timed(fn: Callable[[], object], budget_s: float, min_trials: int = 3,
-          max_trials: int = 200) -> list[float]:
-    """Run ``fn`` once to warm up, then until the budget is spent (at least ``min_trials``).
-    A trial lasts as long as ``fn`` ran, or, when it returns a float, that many seconds (the part
-    it times itself)."""
+          max_trials: int = 200, on_warm: Callable[[], object] | None = None) -> list[float]:
+    """Run ``fn`` once to warm up (then ``on_warm``), then until the budget is spent (at least
+    ``min_trials``). A trial lasts as long as ``fn`` ran, or, when it returns a float, that many
+    seconds (the part it times itself)."""
     fn()
+    if on_warm is not None:
+        on_warm()
     times: list[float] = []
     start = time.monotonic()
     while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start < budget_s):
@@ -234,6 +302,31 @@ def stat(times: list[float], nbytes: int) -> dict[str, float]:
             "trials": len(times)}
 
 
+STAGES = ("queue", "plan", "request", "bytes", "transfer", "complete", "handoff")
+
+
+def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Mean seconds per load (as ``<stage>_us``) of each stage ``Connector.stats()`` sums
+    (``stage_<stage>_s``), between two snapshots; None when no load finished in between (or the
+    connector counts no stages)."""
+    n = after.get("stage_loads", 0.0) - before.get("stage_loads", 0.0)
+    if n <= 0:
+        return None
+    out: dict[str, float] = {"loads": n}
+    for k in STAGES:
+        key = f"stage_{k}_s"
+        if key not in after:
+            continue
+        over = after.get("stage_handoffs", 0.0) - before.get("stage_handoffs", 0.0) if k == "handoff" else n
+        if over > 0:
+            out[f"{k}_us"] = (after[key] - before.get(key, 0.0)) / over * 1e6
+    return out
+
+
+def format_stages(st: dict[str, float] | None) -> str:
+    return "/".join(f"{st[f'{k}_us']:.0f}" for k in STAGES if f"{k}_us" in st) if st else ""
+
+
 def _unusable(name: str) -> str | None:
     """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
     try:
@@ -247,8 +340,11 @@ def _unusable(name: str) -> str | None:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.polls = {"wait": ["wait"], "busy": ["busy"], "both": ["wait", "busy"]}[
+            args.poll or ("both" if args.busy_engine else "wait")]
+        self.poll = self.polls[0]  # the poll style of the main table and of --concurrency
         self.max_blocks = max(args.tokens) // BLOCK
-        self.num_blocks = self.max_blocks + 64
+        self.num_blocks = max(self.max_blocks, args.concurrency * args.blocks) + 64
         installed = available_data_planes()
         self.skipped: dict[str, str] = {}
         self.names = []
@@ -263,8 +359,15 @@ class Bench:
                 self.names.append(name)
         self.peers = list(peer_mod.PEERS) if args.peers else []
         self.records: list[dict[str, Any]] = []
+        self.busy_records: list[dict[str, Any]] = []
+        self.concurrency_records: list[dict[str, Any]] = []
         self.cases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, Descriptors]] = {}
         self.baselines: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
+        self.spinner = Spinner()
+        cfg = make_cfg("decode", "tcp", self.num_blocks)
+        self.layout = ParallelLayout.from_config(cfg)
+        self.bytes_per_block = spec_from_config(cfg).bytes_per_block
+        self.conc: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # --concurrency's requests
 
     def run(self) -> list[dict[str, Any]]:
         args = self.args
@@ -275,7 +378,8 @@ class Bench:
         try:
             raw_path = self._recv()
             self.cache = bench_cache(self.num_blocks, fill=False)
-            self.conns = {}
+            self.side = SideLayout.from_cache(self.cache)  # both sides': the same geometry
+            self.conns: dict[str, Conn] = {}
             for name in self.names:
                 self.conns[name] = Connector.from_config(make_cfg("decode", name, self.num_blocks))
                 self.conns[name].register_kv_caches(self.cache)
@@ -299,9 +403,16 @@ class Bench:
                     dst = rng.permutation(self.num_blocks)[:nblocks]
                 self._case(pat, tokens, src, dst)
             progress.update(len(cases))
+            if args.concurrency:
+                n, k = args.concurrency, args.blocks
+                src, dst = rng.permutation(self.num_blocks)[: n * k], rng.permutation(self.num_blocks)[: n * k]
+                self.conc = ([src[i * k : (i + 1) * k] for i in range(n)], [dst[i * k : (i + 1) * k] for i in range(n)])
+                for name, conn in self.conns.items():
+                    self._concurrency(name, conn)
             self.pipe.send(("stop",))
             proc.join(timeout=60)
         finally:
+            self.spinner.set(False)
             if proc.is_alive():
                 proc.kill()
             for c in getattr(self, "conns", {}).values():
@@ -309,6 +420,115 @@ class Bench:
         for name in self.peers:
             self._run_peer(name)
         return self.records
+
+    # -------------------------------------------------------------- loads through a connector
+    def _wait_all(self, name: str, conn: Conn, pending: dict[str, float], poll: str) -> dict[str, float]:
+        """Poll (``poll``: "wait" or "busy") until every request in ``pending`` (id -> its
+        perf_counter start) finished; each one's latency, start to the poll that reported it."""
+        lat: dict[str, float] = {}
+        deadline = time.monotonic() + 120
+        busy = poll == "busy"
+        while pending:
+            f = conn.poll() if busy else conn.poll(timeout_s=1.0)
+            if f:
+                now = time.perf_counter()
+                if f.failed:
+                    raise RuntimeError(f"{name}: load failed: {f.errors}")
+                for rid in f.receiving:
+                    if (t := pending.pop(rid, None)) is not None:
+                        lat[rid] = now - t
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: {len(pending)} loads not done in 120s")
+        return lat
+
+    def _load_fn(self, name: str, conn: Conn, src: np.ndarray, dst: np.ndarray, poll: str) -> Callable[[], float]:
+        src_ids, dst_ids, tokens = src.tolist(), dst.tolist(), len(src) * BLOCK
+
+        def load() -> float:
+            """One pull, timed from start_load to the poll that reported it (the producer's hold is not counted)."""
+            self.pipe.send(("hold", name, src_ids, tokens))
+            params = KVTransferParams.from_bytes(self._recv())
+            t0 = time.perf_counter()
+            conn.start_load(params.request_id, params, dst_ids)
+            self._wait_all(name, conn, {params.request_id: t0}, poll)
+            return time.perf_counter() - t0
+
+        return load
+
+    def _many_fn(self, name: str, conn: Conn, srcs: list[np.ndarray], dsts: list[np.ndarray], poll: str,
+                 lats: list[float]) -> Callable[[], float]:
+        src_ids, dst_ids = [s.tolist() for s in srcs], [d.tolist() for d in dsts]
+        tokens = len(srcs[0]) * BLOCK
+
+        def load() -> float:
+            """Every request held, then all started and polled until all finished: the time for all."""
+            self.pipe.send(("holds", name, src_ids, tokens))
+            params = [KVTransferParams.from_bytes(b) for b in self._recv()]
+            pending: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for p, ids in zip(params, dst_ids, strict=True):
+                pending[p.request_id] = time.perf_counter()
+                conn.start_load(p.request_id, p, ids)
+            lats.extend(self._wait_all(name, conn, pending, poll).values())
+            return time.perf_counter() - t0
+
+        return load
+
+    def _measure(self, conn: Conn, fn: Callable[[], object], on_warm: Callable[[], object] | None = None,
+                 min_trials: int = 3) -> tuple[list[float], dict[str, float] | None]:
+        """Trials of ``fn`` over the budget, and the stages of the loads they made (warm-up not counted)."""
+        before: dict[str, float] = {}
+
+        def warm() -> None:
+            before.update(conn.stats())
+            if on_warm is not None:
+                on_warm()
+
+        times = timed(fn, self.args.budget_s, min_trials, on_warm=warm)
+        return times, stage_breakdown(before, conn.stats())
+
+    @contextmanager
+    def _spin(self, where: str, pair: peer_mod.PeerPair | None = None) -> Iterator[None]:
+        """A Python thread spinning in ``where``: "consumer" (this process; a peer's consumer
+        spins itself), "producer" (the producer process), or "idle" (none)."""
+        if where == "consumer" and pair is None:
+            self.spinner.set(True)
+        elif where == "producer":
+            if pair is not None:
+                pair.spin_producer(True)
+            else:
+                self.pipe.send(("spin", True))
+                assert self._recv() == "ok"
+        try:
+            yield
+        finally:
+            if where == "consumer" and pair is None:
+                self.spinner.set(False)
+            elif where == "producer":
+                if pair is not None:
+                    pair.spin_producer(False)
+                else:
+                    self.pipe.send(("spin", False))
+                    assert self._recv() == "ok"
+
+    def _busy_rows(self, name: str, kind: str, pat: str, tokens: int, nbytes: int, polls: list[str],
+                   measure: Callable[[str, str], tuple[list[float], dict[str, float] | None]],
+                   idle: dict[str, tuple[list[float], dict[str, float] | None]]) -> None:
+        """--busy-engine: for each poll style, idle (``idle`` has those measured already), then
+        a spinning thread in the consumer, then in the producer; a record per busy side."""
+        for poll in polls:
+            base = idle[poll] if poll in idle else measure(poll, "idle")
+            i = stat(base[0], nbytes)
+            for where in ("consumer", "producer"):
+                times, stages = measure(poll, where)
+                b = stat(times, nbytes)
+                self.busy_records.append({
+                    "connector": name, "kind": kind, "pattern": pat, "tokens": tokens, "blocks": tokens // BLOCK,
+                    "bytes": nbytes, "poll": poll, "busy": where, "idle_gbps": i["gbps"], "busy_gbps": b["gbps"],
+                    "gbps_ratio": b["gbps"] / i["gbps"], "idle_p50_us": i["p50_us"], "busy_p50_us": b["p50_us"],
+                    "p50_ratio": b["p50_us"] / i["p50_us"], "idle_p99_us": i["p99_us"], "busy_p99_us": b["p99_us"],
+                    "idle_trials": i["trials"], "busy_trials": b["trials"], "idle_stages": base[1],
+                    "busy_stages": stages, "checked": True})
 
     def _run_peer(self, name: str) -> None:
         """A peer in its own process pair, after kvxfer's: its threads must not load the cores
@@ -327,27 +547,65 @@ class Bench:
         try:
             for i, ((pat, tokens), (src, dst, d)) in enumerate(self.cases.items()):
                 progress.update(i)
-                status, r = pair.measure((src, dst, d.remote_region, d.remote_offset, d.local_region,
-                                          d.local_offset, d.length, self.args.budget_s))
-                if status != "ok":
-                    self.skipped[name] = f"failed at {pat} {tokens} tokens: {r}"
+                descs = (d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length)
+
+                def measure(poll: str, where: str, src: np.ndarray = src, dst: np.ndarray = dst,
+                            descs: tuple[np.ndarray, ...] = descs) -> tuple[list[float], None]:
+                    with self._spin(where, pair):
+                        status, r = pair.measure({"op": "read", "src": src, "dst": dst, "descs": descs,
+                                                  "budget": self.args.budget_s, "spin": where == "consumer"})
+                    if status != "ok":
+                        raise RuntimeError(r)
+                    return r["times"], None
+
+                try:
+                    idle = measure("busy", "idle")
+                    self._add(name, "peer", pat, tokens, src, d, {**stat(idle[0], d.nbytes), "poll": "busy",
+                                                                  "stages": None, "checked": True})
+                    print(format_row(self.records[-1]), flush=True)
+                    if self.args.busy_engine:  # a peer polls its own way (NIXL: a tight loop)
+                        self._busy_rows(name, "peer", pat, tokens, d.nbytes, ["busy"], measure, {"busy": idle})
+                except RuntimeError as e:
+                    self.skipped[name] = f"failed at {pat} {tokens} tokens: {e}"
                     if not pair.alive():
                         break
-                    continue
-                self._add(name, "peer", pat, tokens, src, d, r)
-                print(format_row(self.records[-1]), flush=True)
+            if self.conc is not None and pair.alive():
+                self._peer_concurrency(name, pair)
             progress.update(len(self.cases))
         finally:
             pair.close()
+
+    def _peer_concurrency(self, name: str, pair: peer_mod.PeerPair) -> None:
+        assert self.conc is not None
+        srcs, dsts = self.conc
+        src, dst = np.concatenate(srcs), np.concatenate(dsts)
+        whole = self._plan(src, dst)
+        parts = [self._plan(s, t) for s, t in zip(srcs, dsts, strict=True)]
+
+        def tup(d: Descriptors) -> tuple[np.ndarray, ...]:
+            return d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length
+
+        budget = self.args.budget_s
+        status, one = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget})
+        if status == "ok":
+            status, many = pair.measure({"op": "many", "src": src, "dst": dst, "reqs": [tup(p) for p in parts],
+                                         "budget": budget})
+        if status != "ok":
+            self.skipped[f"{name} --concurrency"] = str(one if status != "ok" and not isinstance(one, dict) else many)
+            return
+        self._add_concurrency(name, "peer", "busy", whole.nbytes, one["times"], None, many["times"], many["lats"], None)
 
     def _recv(self, timeout_s: float = 300.0) -> Any:
         if not self.pipe.poll(timeout_s):
             raise TimeoutError(f"the producer process did not answer in {timeout_s:g}s")
         return self.pipe.recv()
 
-    def _ucx_raw(self) -> UcxRaw:
+    def _ucx_raw(self) -> UcxRaw | None:
         """Endpoints both ways: the producer sends on its own, this process receives on its own."""
-        plane: Any = self.conns["ucx"].plane  # the ucx connector's: its ucxx runtime is outside the DataPlane API
+        plane: Any = getattr(self.conns["ucx"], "plane", None)  # its ucxx runtime is outside the DataPlane API
+        if getattr(plane, "rt", None) is None:
+            self.skipped["raw ucxx"] = "the ucx connector's plane is not in this process"
+            return None
         self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block))
         return UcxRaw(plane, self._recv())
 
@@ -355,33 +613,25 @@ class Bench:
     def _case(self, pat: str, tokens: int, src: np.ndarray, dst: np.ndarray) -> None:
         budget = self.args.budget_s
         base = {"pattern": pat, "tokens": tokens, "blocks": len(src)}
-        descs: Descriptors | None = None
+        descs = self._plan(src, dst)
+        nbytes = descs.nbytes
         results: dict[str, dict[str, Any]] = {}
         for name, conn in self.conns.items():
-            clear(self.cache, dst)
 
-            def load(name: str = name, conn: Connector = conn) -> float:
-                """One pull, timed from start_load to done (the hold on the producer is not counted)."""
-                self.pipe.send(("hold", name, src.tolist(), tokens))
-                params = KVTransferParams.from_bytes(self._recv())
-                t0 = time.perf_counter()
-                conn.start_load(params.request_id, params, dst.tolist())
-                deadline = time.monotonic() + 120
-                while not (f := conn.poll(timeout_s=1.0)):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{name}: load not done in 120s")
-                if f.failed:
-                    raise RuntimeError(f"{name}: load failed: {f.errors}")
-                return time.perf_counter() - t0
+            def measure(poll: str, where: str, name: str = name,
+                        conn: Conn = conn) -> tuple[list[float], dict[str, float] | None]:
+                clear(self.cache, dst)
+                with self._spin(where):
+                    out = self._measure(conn, self._load_fn(name, conn, src, dst, poll))  # warm-up: the handshake
+                check_arrived(self.cache, src, dst, name)
+                return out
 
-            times = timed(load, budget)  # the warm-up load also pays the handshake
-            check_arrived(self.cache, src, dst, name)
-            if descs is None:
-                descs = self._plan(conn, src, dst)
-            results[name] = {**stat(times, descs.nbytes), "descriptors": len(descs)}
-        if descs is None:  # no connector: the pieces a connector would move
-            descs = self._plan_without_connector(src, dst)
-        nbytes = descs.nbytes
+            times, stages = measure(self.poll, "idle")
+            results[name] = {**stat(times, nbytes), "descriptors": len(descs), "poll": self.poll, "stages": stages,
+                             "checked": True}
+            if self.args.busy_engine:
+                self._busy_rows(name, "connector", pat, tokens, nbytes, self.polls, measure,
+                                {self.poll: (times, stages)})
         baselines = {"memcpy": stat(timed(lambda: self.memcpy_dst[:nbytes].copy_(self.memcpy_src[:nbytes]),
                                           budget), nbytes)}
         baselines["raw socket"] = stat(self._raw_socket(descs, budget), nbytes)
@@ -398,6 +648,35 @@ class Bench:
             self._add(name, "connector", pat, tokens, src, descs, r)
         self._print_case(pat, tokens)
 
+    def _concurrency(self, name: str, conn: Conn) -> None:
+        """--concurrency: one request of N*K blocks, then N requests of K blocks in flight at once."""
+        assert self.conc is not None
+        srcs, dsts = self.conc
+        src, dst = np.concatenate(srcs), np.concatenate(dsts)
+        clear(self.cache, dst)
+        one, one_stages = self._measure(conn, self._load_fn(name, conn, src, dst, self.poll))
+        check_arrived(self.cache, src, dst, name)
+        clear(self.cache, dst)
+        lats: list[float] = []
+        many, many_stages = self._measure(conn, self._many_fn(name, conn, srcs, dsts, self.poll, lats),
+                                          on_warm=lats.clear)
+        check_arrived(self.cache, src, dst, name)
+        self._add_concurrency(name, "connector", self.poll, len(src) * self.bytes_per_block, one, one_stages,
+                              many, lats, many_stages)
+
+    def _add_concurrency(self, name: str, kind: str, poll: str, nbytes: int, one: list[float],
+                         one_stages: dict[str, float] | None, many: list[float], lats: list[float],
+                         many_stages: dict[str, float] | None) -> None:
+        single, conc = stat(one, nbytes), stat(many, nbytes)
+        rec = {"connector": name, "kind": kind, "pattern": "random", "requests": self.args.concurrency,
+               "blocks_per_request": self.args.blocks, "bytes": nbytes, "poll": poll, "gbps": conc["gbps"],
+               "single_gbps": single["gbps"], "ratio": conc["gbps"] / single["gbps"], "all_p50_us": conc["p50_us"],
+               "single_p50_us": single["p50_us"], "latency_p50_us": float(np.percentile(lats, 50)) * 1e6,
+               "latency_p99_us": float(np.percentile(lats, 99)) * 1e6, "trials": conc["trials"],
+               "single_trials": single["trials"], "stages": many_stages, "single_stages": one_stages,
+               "checked": True}
+        self.concurrency_records.append(rec)
+
     def _add(self, name: str, kind: str, pat: str, tokens: int, src: np.ndarray, descs: Descriptors,
              r: dict[str, Any]) -> None:
         baselines = self.baselines[(pat, tokens)]
@@ -408,32 +687,16 @@ class Bench:
                              "baseline_gbps": bg, "ratio": r["gbps"] / bg, "memcpy_gbps": memcpy,
                              "x_memcpy": r["gbps"] / memcpy})
 
-
     def _baseline_of(self, name: str, pat: str, baselines: dict[str, Any]) -> str:
         if name in ("ucx", "nixl") and "raw ucxx (one message)" in baselines:
             return "raw ucxx (one message)" if pat == "contiguous" else "raw ucxx (pieces)"
         return "raw socket"
 
-    def _plan(self, conn: Connector, src: np.ndarray, dst: np.ndarray) -> Descriptors:
-        """The connector's own descriptor list for this request: what every baseline moves."""
-        from kvxfer.topology import remote_sources
-        from kvxfer.transfer.planner import plan_direct
-
-        consumer = conn.consumer
-        assert consumer is not None
-        peer = next(iter(consumer._peers.values()))
-        (sl,) = remote_sources(consumer.layout, 0, 0, peer.meta.layout)
-        return plan_direct(peer.side, consumer.local_side, sl, src, dst, 0, len(dst) * BLOCK)
-
-    def _plan_without_connector(self, src: np.ndarray, dst: np.ndarray) -> Descriptors:
-        """One piece per block and region: what an uncoalescing mover would send."""
-        regions = self.cache.regions
-        n = len(src)
-        rid = np.repeat(np.arange(len(regions)), n)
-        stride = np.asarray([r.block_stride for r in regions])[rid]
-        return Descriptors(remote_region=rid, remote_offset=np.tile(src, len(regions)) * stride,
-                           local_region=rid, local_offset=np.tile(dst, len(regions)) * stride,
-                           length=stride.copy())
+    def _plan(self, src: np.ndarray, dst: np.ndarray) -> Descriptors:
+        """The coalesced descriptor list a connector plans for this request (same cache geometry
+        on both sides): what every baseline and peer moves."""
+        (sl,) = remote_sources(self.layout, 0, 0, self.layout)
+        return plan_direct(self.side, self.side, sl, src, dst, 0, len(dst) * BLOCK)
 
     def _raw_socket(self, d: Descriptors, budget: float) -> list[float]:
         from kvxfer.connectors.tcp import recv_pieces
@@ -482,7 +745,8 @@ class Bench:
 
 
 HEADER = (f"{'connector':<24} {'pattern':<10} {'tokens':>6} {'MiB':>7} {'pieces':>6} {'GB/s':>6} {'p50 us':>9} "
-          f"{'p99 us':>9}  {'baseline':<22} {'base GB/s':>9} {'ratio':>6} {'x memcpy':>8}")
+          f"{'p99 us':>9}  {'baseline':<22} {'base GB/s':>9} {'ratio':>6} {'x memcpy':>8}  "
+          f"stages us: queue/plan/transfer/complete/handoff")
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -490,7 +754,30 @@ def format_row(r: dict[str, Any]) -> str:
     base = (f"{r['baseline']:<22} {r['baseline_gbps']:9.2f} {r['ratio']:6.2f}" if r["baseline"]
             else f"{'':<22} {'':>9} {'':>6}")
     return (f"{name:<24} {r['pattern']:<10} {r['tokens']:>6} {r['bytes'] / 2**20:7.1f} {r['descriptors']:>6} "
-            f"{r['gbps']:6.2f} {r['p50_us']:9.0f} {r['p99_us']:9.0f}  {base} {r['x_memcpy']:8.2f}")
+            f"{r['gbps']:6.2f} {r['p50_us']:9.0f} {r['p99_us']:9.0f}  {base} {r['x_memcpy']:8.2f}  "
+            f"{format_stages(r.get('stages'))}").rstrip()
+
+
+CONCURRENCY_HEADER = (f"{'connector':<24} {'requests':>8} {'blocks':>6} {'MiB':>7} {'poll':<4} {'GB/s':>6} "
+                      f"{'1 req GB/s':>10} {'ratio':>6} {'lat p50 us':>10} {'lat p99 us':>10}  "
+                      f"stages us (concurrent): queue/plan/transfer/complete/handoff")
+
+
+def format_concurrency(r: dict[str, Any]) -> str:
+    return (f"{r['connector']:<24} {r['requests']:>8} {r['blocks_per_request']:>6} {r['bytes'] / 2**20:7.1f} "
+            f"{r['poll']:<4} {r['gbps']:6.2f} {r['single_gbps']:10.2f} {r['ratio']:6.2f} {r['latency_p50_us']:10.0f} "
+            f"{r['latency_p99_us']:10.0f}  {format_stages(r['stages'])}").rstrip()
+
+
+BUSY_HEADER = (f"{'connector':<24} {'pattern':<10} {'tokens':>6} {'poll':<4} {'busy':<8} {'idle GB/s':>9} "
+               f"{'busy GB/s':>9} {'GB/s ratio':>10} {'idle p50':>9} {'busy p50':>9} {'p50 ratio':>9}  "
+               f"stages us (busy): queue/plan/transfer/complete/handoff")
+
+
+def format_busy(r: dict[str, Any]) -> str:
+    return (f"{r['connector']:<24} {r['pattern']:<10} {r['tokens']:>6} {r['poll']:<4} {r['busy']:<8} "
+            f"{r['idle_gbps']:9.2f} {r['busy_gbps']:9.2f} {r['gbps_ratio']:10.2f} {r['idle_p50_us']:9.0f} "
+            f"{r['busy_p50_us']:9.0f} {r['p50_ratio']:9.2f}  {format_stages(r['busy_stages'])}").rstrip()
 
 
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -531,6 +818,40 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_busy(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Bars: busy/idle GB/s ratio of each connector, per case and poll style, one panel per busy side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = ["consumer", "producer"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True, squeeze=False)
+    names = list(dict.fromkeys(r["connector"] for r in records))
+    cases = list(dict.fromkeys((r["pattern"], r["tokens"], r["poll"]) for r in records))
+    width = 0.8 / max(1, len(names))
+    for ax, side in zip(axes[0], sides, strict=True):
+        for i, name in enumerate(names):
+            by_case = {(r["pattern"], r["tokens"], r["poll"]): r["gbps_ratio"] for r in records
+                       if r["connector"] == name and r["busy"] == side}
+            xs = [j + (i - (len(names) - 1) / 2) * width for j, c in enumerate(cases) if c in by_case]
+            ax.bar(xs, [by_case[c] for c in cases if c in by_case], width, color=f"C{i}", label=name)
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_yscale("log")  # a spinning thread costs 100x in places and gains a little in others
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([f"{p[:4]} {t}\n{poll} poll" for p, t, poll in cases], fontsize=7)
+        ax.set_title(f"a Python thread spinning in the {side} process")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s busy / GB/s idle")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(6, len(labels)), frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
                     help="data planes to measure (default: every installed one that works across processes)")
@@ -538,8 +859,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
     ap.add_argument("--peers", action="store_true", help="also measure NIXL and Mooncake when installed")
     ap.add_argument("--budget-s", type=float, default=1.0, help="time spent on each measurement's trials")
+    ap.add_argument("--concurrency", type=int, nargs="?", const=64, default=0, metavar="N",
+                    help="also N requests (default 64) of --blocks random blocks each in flight at once, against "
+                         "one request of all their blocks")
+    ap.add_argument("--blocks", type=int, default=2, metavar="K", help="blocks per request for --concurrency")
+    ap.add_argument("--busy-engine", action="store_true",
+                    help="also every case with a Python thread spinning in the consumer, then the producer process")
+    ap.add_argument("--poll", choices=["wait", "busy", "both"], default=None,
+                    help="how the engine thread waits: poll(timeout_s=...) (wait) or poll() in a tight loop (busy); "
+                         "both: the main table waits, --busy-engine has rows for both (its default)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
-    ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="PNG: GB/s against request size")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                    help="PNG: GB/s against request size (with --busy-engine also PATH-busy.png)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -547,24 +878,44 @@ def run(args: argparse.Namespace) -> int:
         if t < 1 or t % BLOCK:
             print(f"error: --tokens: expected multiples of {BLOCK} (whole blocks), got {t}", file=sys.stderr)
             return 1
+    if args.concurrency < 0 or args.blocks < 1:
+        print("error: --concurrency and --blocks: expected positive counts", file=sys.stderr)
+        return 1
     bench = Bench(args)
     machine = f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}"
     print(f"kvxfer bench transfer: Llama-3-8B-like cache (32 layers, K+V, 8 kv heads, head 128, bf16, block 16); "
           f"{machine}")
-    print(f"connectors: {', '.join(bench.names) or 'none'}; peers: {', '.join(bench.peers) or 'off (--peers)'}")
+    print(f"connectors: {', '.join(bench.names) or 'none'}; peers: {', '.join(bench.peers) or 'off (--peers)'}; "
+          f"poll: {bench.poll}")
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
     for name, why in bench.skipped.items():
         print(f"{name:<24} {why}")
+    if bench.busy_records:
+        print(f"\nbusy engine: a Python thread spinning in the consumer or producer process, against idle "
+              f"(peers poll their own way)\n{BUSY_HEADER}\n{'-' * len(BUSY_HEADER)}")
+        for r in bench.busy_records:
+            print(format_busy(r))
+    if bench.concurrency_records:
+        print(f"\nconcurrency: {args.concurrency} requests of {args.blocks} random blocks in flight at once, against "
+              f"one request of all of them\n{CONCURRENCY_HEADER}\n{'-' * len(CONCURRENCY_HEADER)}")
+        for r in bench.concurrency_records:
+            print(format_concurrency(r))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine, "skipped": bench.skipped, "records": records},
-                                        indent=2))
+        args.json.write_text(json.dumps({"machine": machine, "skipped": bench.skipped, "records": records,
+                                         "poll": bench.poll, "busy_engine": bench.busy_records,
+                                         "concurrency": bench.concurrency_records}, indent=2))
         print(f"wrote {args.json}")
     if args.plot:
-        plot(records, args.plot, f"kvxfer bench transfer, two processes on one host ({machine})")
+        title = f"kvxfer bench transfer, two processes on one host ({machine})"
+        plot(records, args.plot, title)
         print(f"wrote {args.plot}")
+        if bench.busy_records:
+            busy_png = args.plot.with_name(f"{args.plot.stem}-busy{args.plot.suffix}")
+            plot_busy(bench.busy_records, busy_png, title)
+            print(f"wrote {busy_png}")
     return 0
 
 
