@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
+
+from kvxfer.bench.transfer import STAGES, bench_cache, check_arrived, make_cfg, stage_breakdown
+from kvxfer.connector import Connector
+from kvxfer.metrics import ConnectorMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -71,3 +78,74 @@ def test_bench_e2e_compares_with_a_monolithic_instance(tmp_path: Path) -> None:
         assert x["ttft_ratio"] > 0 and x["itl_ratio"] > 0
     assert "TTFT p50" in r.stdout
     assert png.read_bytes()[:8] == PNG
+
+
+def test_bench_transfer_concurrency_busy_engine_and_stages_on_tcp(tmp_path: Path) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    r = kvxfer("bench", "transfer", "--connectors", "tcp", "--tokens", "16", "--patterns", "random", "--budget-s",
+               "0.02", "--busy-engine", "--concurrency", "4", "--blocks", "2", "--json", str(out), "--plot", str(png))
+    data = json.loads(out.read_text())
+    (rec,) = [x for x in data["records"] if x["kind"] == "connector"]
+    assert rec["checked"] and rec["poll"] == "wait" == data["poll"]
+    stages = rec["stages"]
+    assert stages["loads"] >= 3 and all(stages[f"{k}_us"] >= 0 for k in STAGES if f"{k}_us" in stages)
+    # --busy-engine: both poll styles (its default), a spinning thread in each process
+    busy = data["busy_engine"]
+    assert sorted((x["poll"], x["busy"]) for x in busy) == [("busy", "consumer"), ("busy", "producer"),
+                                                             ("wait", "consumer"), ("wait", "producer")]
+    for x in busy:
+        assert x["checked"] and x["connector"] == "tcp" and x["bytes"] == 2**21
+        assert x["gbps_ratio"] == x["busy_gbps"] / x["idle_gbps"]
+        assert x["p50_ratio"] == x["busy_p50_us"] / x["idle_p50_us"]
+        assert x["busy_stages"]["loads"] >= 3
+    (conc,) = data["concurrency"]
+    assert conc["checked"] and (conc["requests"], conc["blocks_per_request"], conc["bytes"]) == (4, 2, 8 * 2**21)
+    assert conc["ratio"] == conc["gbps"] / conc["single_gbps"] and conc["latency_p99_us"] >= conc["latency_p50_us"] > 0
+    assert conc["stages"]["loads"] >= 4 * 3 and conc["single_stages"]["loads"] >= 3
+    assert "busy engine" in r.stdout and "concurrency: 4 requests" in r.stdout
+    assert png.read_bytes()[:8] == PNG and (tmp_path / "out-busy.png").read_bytes()[:8] == PNG
+
+
+def test_stats_sum_each_loads_stages() -> None:
+    """The stage sums in stats() cover every successful load, and add up to no more than its
+    latency (start_load to the poll that returned it)."""
+    prod = Connector.from_config(make_cfg("prefill", "local", 4))
+    cons = Connector.from_config(make_cfg("decode", "local", 4))
+    try:
+        prod.register_kv_caches(bench_cache(4, fill=True))
+        cache = bench_cache(4, fill=False)
+        cons.register_kv_caches(cache)
+        before = cons.stats()
+        total = 0.0
+        for n in range(2):
+            params = prod.hold(f"r{n}", [1, 2], 32)
+            t0 = time.monotonic()
+            cons.start_load(f"r{n}", params, [3, 0])
+            while not (f := cons.poll(timeout_s=1.0)):
+                assert time.monotonic() - t0 < 30
+            total += time.monotonic() - t0
+            assert f.receiving == [f"r{n}"]
+            check_arrived(cache, np.array([1, 2]), np.array([3, 0]), "local")
+        after = cons.stats()
+        stages = stage_breakdown(before, after)
+        assert stages is not None and stages["loads"] == 2 == after["stage_handoffs"] - before["stage_handoffs"]
+        assert all(stages[f"{k}_us"] >= 0 for k in STAGES if f"{k}_us" in stages)
+        assert {"queue_us", "plan_us", "transfer_us", "complete_us", "handoff_us"} <= set(stages)
+        spent = [after[f"stage_{k}_s"] - before[f"stage_{k}_s"] for k in STAGES if f"stage_{k}_s" in after]
+        assert sum(spent) <= total
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_metrics_stage_counters() -> None:
+    m = ConnectorMetrics("d", 0, "tcp")
+    m.load_started()
+    m.load_finished(1.0, 10, stages=(0.1, 0.2, 0.3, 0.4))
+    m.load_started()
+    m.load_finished(1.0, error="peer died")  # failed loads are not in the stage sums
+    m.handed_off(1, 0.5)
+    s = m.snapshot()
+    assert (s["stage_loads"], s["stage_handoffs"]) == (1, 1)
+    assert (s["stage_queue_s"], s["stage_plan_s"], s["stage_transfer_s"], s["stage_complete_s"],
+            s["stage_handoff_s"]) == (0.1, 0.2, 0.3, 0.4, 0.5)
