@@ -84,13 +84,15 @@ class Conn(Protocol):
     def close(self) -> None: ...
 
 
-def make_cfg(role: Role, connector: str, num_blocks: int) -> InstanceConfig:
+def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None = None) -> InstanceConfig:
+    """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default)."""
+    extra: dict[str, Any] = {} if data_path is None else {"data_path": data_path}
     return InstanceConfig(
         role=role, engine_id=f"bench-{role}-{connector}",
         model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
                           head_size=128, intermediate_size=14336, vocab_size=128256),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
-        connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0)),
+        connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0), **extra),
     )
 
 
@@ -209,11 +211,11 @@ def bench_cache(num_blocks: int, fill: bool) -> KVCache:
     return cache
 
 
-def producer(names: list[str], num_blocks: int, conn: Any) -> None:
+def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None = None) -> None:
     cache = bench_cache(num_blocks, fill=True)
     conns: dict[str, Conn] = {}
     for name in names:
-        conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks))
+        conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks, data_path))
         conns[name].register_kv_caches(cache)
     views = _views(cache)
     path = os.path.join(tempfile.gettempdir(), f"kvxfer-bench-{os.getpid()}.sock")
@@ -327,10 +329,10 @@ def format_stages(st: dict[str, float] | None) -> str:
     return "/".join(f"{st[f'{k}_us']:.0f}" for k in STAGES if f"{k}_us" in st) if st else ""
 
 
-def _unusable(name: str) -> str | None:
+def _unusable(name: str, data_path: str | None) -> str | None:
     """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
     try:
-        Connector.from_config(make_cfg("decode", name, 1)).close()
+        Connector.from_config(make_cfg("decode", name, 1, data_path)).close()
     except Exception as e:
         hint = " (pip install 'kvxfer[ucx]')" if name == "ucx" else ""
         return f"cannot start: {type(e).__name__}: {e}{hint}"
@@ -353,7 +355,7 @@ class Bench:
                 self.skipped[name] = f"not installed (installed: {', '.join(sorted(installed))})"
             elif not load_data_plane(name).cross_process:
                 self.skipped[name] = "in-process only; nothing to measure between two processes"
-            elif (why := _unusable(name)) is not None:
+            elif (why := _unusable(name, args.data_path)) is not None:
                 self.skipped[name] = why
             else:
                 self.names.append(name)
@@ -373,7 +375,7 @@ class Bench:
         args = self.args
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        proc = ctx.Process(target=producer, args=(self.names, self.num_blocks, child), daemon=True)
+        proc = ctx.Process(target=producer, args=(self.names, self.num_blocks, child, args.data_path), daemon=True)
         proc.start()
         try:
             raw_path = self._recv()
@@ -381,7 +383,7 @@ class Bench:
             self.side = SideLayout.from_cache(self.cache)  # both sides': the same geometry
             self.conns: dict[str, Conn] = {}
             for name in self.names:
-                self.conns[name] = Connector.from_config(make_cfg("decode", name, self.num_blocks))
+                self.conns[name] = Connector.from_config(make_cfg("decode", name, self.num_blocks, args.data_path))
                 self.conns[name].register_kv_caches(self.cache)
             self.raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.raw.connect(raw_path)
@@ -868,6 +870,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--poll", choices=["wait", "busy", "both"], default=None,
                     help="how the engine thread waits: poll(timeout_s=...) (wait) or poll() in a tight loop (busy); "
                          "both: the main table waits, --busy-engine has rows for both (its default)")
+    ap.add_argument("--data-path", choices=["auto", "agent", "engine"], default=None,
+                    help="connector.data_path of every connector measured (default: the config's default)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH",
                     help="PNG: GB/s against request size (with --busy-engine also PATH-busy.png)")
@@ -886,7 +890,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvxfer bench transfer: Llama-3-8B-like cache (32 layers, K+V, 8 kv heads, head 128, bf16, block 16); "
           f"{machine}")
     print(f"connectors: {', '.join(bench.names) or 'none'}; peers: {', '.join(bench.peers) or 'off (--peers)'}; "
-          f"poll: {bench.poll}")
+          f"poll: {bench.poll}; data path: {args.data_path or 'default'}")
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
@@ -905,8 +909,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine, "skipped": bench.skipped, "records": records,
-                                         "poll": bench.poll, "busy_engine": bench.busy_records,
-                                         "concurrency": bench.concurrency_records}, indent=2))
+                                         "poll": bench.poll, "data_path": args.data_path,
+                                         "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records},
+                                        indent=2))
         print(f"wrote {args.json}")
     if args.plot:
         title = f"kvxfer bench transfer, two processes on one host ({machine})"
