@@ -202,6 +202,16 @@ class UcxRaw:
         return self._run(go)
 
 
+def ucx_runtime_plane(conn: Conn) -> tuple[Any, bool]:
+    """A ucx plane of this process for the raw ucxx baseline (its ucxx runtime is outside the
+    DataPlane API): the connector's own when its data path runs here, else a bare one made
+    with the same defaults (the connector's runs in its transfer agent); True: bare, close it."""
+    plane = getattr(conn, "plane", None)
+    if getattr(plane, "rt", None) is not None:
+        return plane, False
+    return load_data_plane("ucx")({}), True
+
+
 # ------------------------------------------------------------------ producer process
 
 def bench_cache(num_blocks: int, fill: bool) -> KVCache:
@@ -227,6 +237,7 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
     ucx_raw: UcxRaw | None = None
     n = 0
     spinner = Spinner()
+    bare_planes: list[Any] = []
     from kvxfer.connectors.tcp import send_pieces
 
     try:
@@ -257,8 +268,9 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 while raw.recv(1) == b"g":
                     send_pieces(raw, pieces)
             elif op == "ucx_connect":
-                # the ucx connector's plane: its runtime (ucxx, no stubs) is outside the DataPlane API
-                ucx_plane: Any = getattr(conns["ucx"], "plane", None)
+                ucx_plane, bare = ucx_runtime_plane(conns["ucx"])
+                if bare:
+                    bare_planes.append(ucx_plane)
                 ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])
                 conn.send(ucx_plane.rt.address)
             elif op == "ucx_one":
@@ -275,6 +287,8 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
         spinner.set(False)
         for c in conns.values():
             c.close()
+        for p in bare_planes:
+            p.close()
         srv.close()
         os.unlink(path)
 
@@ -366,6 +380,7 @@ class Bench:
         self.cases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, Descriptors]] = {}
         self.baselines: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
         self.spinner = Spinner()
+        self.bare_planes: list[Any] = []  # made for the raw ucxx baseline (see ucx_runtime_plane)
         cfg = make_cfg("decode", "tcp", self.num_blocks)
         self.layout = ParallelLayout.from_config(cfg)
         self.bytes_per_block = spec_from_config(cfg).bytes_per_block
@@ -419,6 +434,8 @@ class Bench:
                 proc.kill()
             for c in getattr(self, "conns", {}).values():
                 c.close()
+            for p in self.bare_planes:
+                p.close()
         for name in self.peers:
             self._run_peer(name)
         return self.records
@@ -602,12 +619,11 @@ class Bench:
             raise TimeoutError(f"the producer process did not answer in {timeout_s:g}s")
         return self.pipe.recv()
 
-    def _ucx_raw(self) -> UcxRaw | None:
+    def _ucx_raw(self) -> UcxRaw:
         """Endpoints both ways: the producer sends on its own, this process receives on its own."""
-        plane: Any = getattr(self.conns["ucx"], "plane", None)  # its ucxx runtime is outside the DataPlane API
-        if getattr(plane, "rt", None) is None:
-            self.skipped["raw ucxx"] = "the ucx connector's plane is not in this process"
-            return None
+        plane, bare = ucx_runtime_plane(self.conns["ucx"])
+        if bare:
+            self.bare_planes.append(plane)
         self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block))
         return UcxRaw(plane, self._recv())
 
