@@ -192,7 +192,7 @@ class AgentConnector:
         self._closed = True
         if self.process is not None and self._dead is None:
             try:
-                self._call(Close(), COMMAND_S)
+                self._call(Close())
             except RuntimeError as e:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
         self._kill(wait_s=10.0)
@@ -213,10 +213,11 @@ class AgentConnector:
             p.wait(timeout=10)
 
     # ------------------------------------------------------------------ commands
-    def _call(self, cmd: Any, timeout_s: float = COMMAND_S) -> Reply:
+    def _call(self, cmd: Any, timeout_s: float | None = None) -> Reply:
         """Send one command and wait for its answer; a dead or silent agent raises RuntimeError."""
         if self._commands is None:
             raise RuntimeError("register_kv_caches first")
+        timeout_s = COMMAND_S if timeout_s is None else timeout_s
         if self._dead is not None:
             raise RuntimeError(f"rank {self.rank}: {self._dead}")
         with self._command_lock:

@@ -1,0 +1,208 @@
+"""The transfer agent: a rank's data path in a process of its own, driven through the public
+``Connector`` API. Real agent processes, real sockets; faults injected by signalling the agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+
+from kvxfer.agent import client as agent_client
+from kvxfer.agent.client import AgentConnector
+from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.config import (
+    CacheConfig,
+    ConnectorConfig,
+    InstanceConfig,
+    ModelConfig,
+    SideChannelConfig,
+    TimeoutsConfig,
+)
+from kvxfer.connector import Connector, EngineConnector
+from kvxfer.protocol import ErrorCode
+from kvxfer.transfer.aggregator import Finished
+
+NB = 64
+
+
+def cfg(role: str, plane: str = "tcp", transfer_s: float = 10.0, hold_wait_s: float = 1.0,
+        data_path: str = "auto", host_staging: str = "auto") -> InstanceConfig:
+    return InstanceConfig(
+        role=role, engine_id=f"agent-{role}",
+        model=ModelConfig(num_layers=3, num_kv_heads=2, num_heads=4, head_size=16),
+        cache=CacheConfig(block_size=16, num_blocks=NB),
+        connector=ConnectorConfig(
+            name=plane, side_channel=SideChannelConfig(host="127.0.0.1", port=0), data_path=data_path,
+            host_staging=host_staging,
+            timeouts=TimeoutsConfig(handshake_s=5.0, handshake_retries=1, transfer_s=transfer_s,
+                                    hold_wait_s=hold_wait_s)),
+    )
+
+
+def make(c: InstanceConfig, fill: int | None = None) -> tuple[EngineConnector, list[torch.Tensor]]:
+    conn = Connector.from_config(c)
+    cache = allocate_kv_cache(spec_from_config(c), NB)
+    if fill is not None:
+        for i, t in enumerate(cache.tensors):
+            t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
+                                                             generator=torch.Generator().manual_seed(fill + i),
+                                                             dtype=torch.uint8))
+    conn.register_kv_caches(cache)
+    return conn, cache.tensors
+
+
+def wait_for(conn: EngineConnector, rid: str, timeout_s: float = 30.0) -> Finished:
+    deadline = time.monotonic() + timeout_s
+    out = Finished()
+    while time.monotonic() < deadline:
+        out.extend(conn.poll(0.05))
+        if rid in out.receiving or rid in out.failed:
+            return out
+    raise AssertionError(f"{rid} neither finished nor failed in {timeout_s} s")
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[EngineConnector, list[torch.Tensor],
+                                                           EngineConnector, list[torch.Tensor]]]:
+    plane = getattr(request, "param", "tcp")
+    p, pt = make(cfg("prefill", plane), fill=1)
+    c, ct = make(cfg("decode", plane))
+    yield p, pt, c, ct
+    c.close()
+    p.close()
+
+
+@pytest.mark.parametrize("pair", ["tcp", "cma", "ucx"], indirect=True)
+def test_an_agent_moves_the_bytes_bit_exact_in_another_process(pair: tuple) -> None:
+    p, pt, c, ct = pair
+    assert isinstance(c, AgentConnector) and isinstance(p, AgentConnector)
+    assert c.process is not None and c.process.pid != os.getpid()
+    src, dst = [5, 9, 10, 11, 40], [60, 2, 3, 4, 17]
+    params = p.hold("r1", src, 5 * 16)
+    c.start_load("r1", params, dst)
+    out = wait_for(c, "r1")
+    assert out.receiving == ["r1"], out.errors
+    for a, b in zip(pt, ct, strict=True):
+        assert torch.equal(a[src].view(torch.uint8), b[dst].view(torch.uint8))
+    s = c.stats()
+    assert s["loads_ok"] == 1 and s["bytes_received"] > 0 and s["broken"] == 0
+    deadline = time.monotonic() + 10
+    sent: list[str] = []
+    while "r1" not in sent and time.monotonic() < deadline:
+        sent += p.poll(0.05).sending
+    assert sent == ["r1"]  # the producer's hold came back through its agent's events
+
+
+def test_bad_input_is_refused_by_name_and_changes_nothing(pair: tuple) -> None:
+    p, pt, c, ct = pair
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        p.hold("r1", [1], 20)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 64\)"):
+        p.hold("r1", [1, 999], 20)
+    params = p.hold("r1", [1, 2], 32)
+    with pytest.raises(ValueError, match="already held"):
+        p.hold("r1", [3, 4], 32)
+    with pytest.raises(ValueError, match=r"local block ids must be in \[0, 64\)"):
+        c.start_load("r1", params, [0, 100])
+    c.start_load("r1", params, [7, 8])  # the refused call changed nothing
+    assert wait_for(c, "r1").receiving == ["r1"]
+    for a, b in zip(pt, ct, strict=True):
+        assert torch.equal(a[[1, 2]].view(torch.uint8), b[[7, 8]].view(torch.uint8))
+
+
+def test_a_killed_agent_fails_its_loads_with_their_blocks_and_reports_broken(pair: tuple) -> None:
+    p, _, c, _ = pair
+    assert isinstance(c, AgentConnector) and c.process is not None
+    params = p.hold("r1", [1, 2], 20)
+    p.release("r1")  # not held: the consumer retries for hold_wait_s, so the load is in flight
+    c.start_load("r1", params, [7, 8])
+    c.process.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out = wait_for(c, "r1", timeout_s=15)
+    assert out.failed == {"r1": [7, 8]}
+    assert out.codes["r1"] == ErrorCode.PLANE_BROKEN and "transfer agent" in out.errors["r1"]
+    assert time.monotonic() - t0 < 10
+    assert c.broken is not None and c.stats()["broken"] == 1
+    c.start_load("r2", params, [9])  # a broken rank fails every later load at once
+    assert wait_for(c, "r2", timeout_s=2).failed == {"r2": [9]}
+    c.wait("r3", params)  # the request path goes on: nothing to renew or abandon through a dead agent
+    c.abandon("r3", params)
+
+
+def test_a_hung_agent_is_killed_and_its_loads_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_client, "COMMAND_S", 1.0)
+    p, _ = make(cfg("prefill"), fill=1)
+    c, _ = make(cfg("decode", transfer_s=1.0, hold_wait_s=0.5))
+    try:
+        assert isinstance(c, AgentConnector) and c.process is not None
+        params = p.hold("r1", [1], 10)
+        c.process.send_signal(signal.SIGSTOP)  # a stopped agent cannot answer a command ...
+        t0 = time.monotonic()
+        c.start_load("r1", params, [3])
+        assert time.monotonic() - t0 < 5
+        assert c.process.poll() is not None  # ... so it was killed, and the load fails with its block
+        out = wait_for(c, "r1", timeout_s=2)
+        assert out.failed == {"r1": [3]} and "did not answer StartLoad" in out.errors["r1"]
+        assert c.broken is not None
+    finally:
+        c.close()
+        p.close()
+
+
+def test_an_agent_exits_when_its_engine_dies() -> None:
+    script = textwrap.dedent("""
+        import os, sys
+        sys.path.insert(0, sys.argv[1])
+        from test_agent import cfg, make
+        conn, _ = make(cfg("decode"))
+        print(conn.process.pid, flush=True)
+        os._exit(0)  # no close: the engine dies
+    """)
+    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=120)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the agent outlived its engine")
+
+
+def test_where_the_data_path_runs_is_chosen_by_config() -> None:
+    c = Connector.from_config(cfg("decode", plane="local"))  # auto: local reaches only its own process
+    assert isinstance(c, Connector)
+    c.close()
+    assert isinstance(Connector.from_config(cfg("decode", data_path="engine")), Connector)
+    with pytest.raises(ValueError, match="data_path: agent, but the 'local' data plane"):
+        Connector.from_config(cfg("decode", plane="local", data_path="agent"))
+
+
+def test_a_staged_cache_goes_through_the_agent_bit_exact() -> None:
+    p, pt = make(cfg("prefill", host_staging="always"), fill=3)
+    c, ct = make(cfg("decode", host_staging="always"))
+    try:
+        params = p.hold("r1", [4, 5], 32)
+        c.start_load("r1", params, [50, 51])
+        assert wait_for(c, "r1").receiving == ["r1"]
+        for a, b in zip(pt, ct, strict=True):  # the engine's own tensors, not the agent's mirror
+            assert torch.equal(a[[4, 5]].view(torch.uint8), b[[50, 51]].view(torch.uint8))
+    finally:
+        c.close()
+        p.close()
+
+
+def test_config_round_trips_to_the_agent() -> None:
+    c = cfg("decode")
+    assert msgspec.convert(msgspec.to_builtins(c), InstanceConfig) == c
