@@ -206,3 +206,35 @@ def test_a_staged_cache_goes_through_the_agent_bit_exact() -> None:
 def test_config_round_trips_to_the_agent() -> None:
     c = cfg("decode")
     assert msgspec.convert(msgspec.to_builtins(c), InstanceConfig) == c
+
+
+def test_a_dead_producer_agent_frees_its_holds_through_poll(pair: tuple) -> None:
+    p, _, _, _ = pair
+    assert isinstance(p, AgentConnector) and p.process is not None
+    p.hold("h1", [1, 2], 32)
+    p.hold("h2", [3], 16)
+    p.process.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    sent: list[str] = []
+    while sorted(sent) != ["h1", "h2"] and time.monotonic() < deadline:
+        sent += p.poll(0.05).sending
+    assert sorted(sent) == ["h1", "h2"]  # nobody can read them any more: the engine frees the blocks
+    assert p.broken is not None and "transfer agent" in p.broken
+
+
+def test_too_little_shared_memory_is_refused_by_name_before_anything_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxfer.agent import shared
+
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096
+
+    monkeypatch.setattr(shared.os, "statvfs", lambda path: Tiny() if path == shared.SHM else real(path))
+    c = Connector.from_config(cfg("decode"))
+    cache = allocate_kv_cache(spec_from_config(cfg("decode")), NB)
+    with pytest.raises(ValueError, match=r"/dev/shm has 0 MiB free.*connector.data_path: engine"):
+        c.register_kv_caches(cache)
+    assert not any(t.untyped_storage().is_shared() for t in cache.tensors)  # nothing moved
+    assert isinstance(c, AgentConnector) and c.process is None
+    c.close()

@@ -32,17 +32,36 @@ BIG = 32 * 1024  # tokens: 256 MiB at head size 64, so a signal lands while byte
 HANDSHAKE_S, RETRIES, TRANSFER_S, LEASE_S = 1.0, 1, 4.0, 3.0
 
 
-@pytest.fixture(params=["tcp", "ucx"])
+@pytest.fixture(params=["tcp", "ucx", "tcp+agent"])
 def conn(request: pytest.FixtureRequest) -> str:
+    """A plane, and with +agent both sides' data paths in transfer agents. A killed rank's agent
+    exits with it (its engine's end of the channel closes); a stalled rank is stopped with its
+    agent (``signal_rank``), or the agent would serve on."""
     return request.param
 
 
 def cfgs(conn: str, big: bool = False) -> tuple[Any, Any]:
     size: dict[str, Any] = {"head_size": 64, "num_blocks": BIG // 16 + 64} if big else {}
-    p = make_cfg("prefill", "P", connector=conn, lease_s=LEASE_S, transfer_s=TRANSFER_S, **size)
-    d = make_cfg("decode", "D", connector=conn, lease_s=LEASE_S, transfer_s=TRANSFER_S, **size)
+    plane, _, path = conn.partition("+")
+    kw = {"connector": plane, "lease_s": LEASE_S, "transfer_s": TRANSFER_S, "data_path": path or "engine", **size}
+    p = make_cfg("prefill", "P", **kw)
+    d = make_cfg("decode", "D", **kw)
     t = replace(d.connector.timeouts, handshake_s=HANDSHAKE_S, handshake_retries=RETRIES)
     return p, replace(d, connector=replace(d.connector, timeouts=t))
+
+
+def signal_rank(pid: int, sig: int) -> None:
+    """Signal a rank's process and its children (its transfer agent, if it has one)."""
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except OSError:
+            pass
+    for k in kids:
+        os.kill(k, sig)
+    os.kill(pid, sig)
 
 
 class ConsumerProc:
@@ -84,7 +103,7 @@ class ConsumerProc:
         return recv(self.conn, 30)[1]
 
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
+        signal_rank(self.proc.pid, sig)
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -213,11 +232,11 @@ def test_producer_stalled_past_the_timeout_then_resumed(conn: str) -> None:
             pid = prod.procs[0][0].pid
             cons.send_load(prod.params["big"], verify=False, announce=True)
             cons.wait_writing()
-            os.kill(pid, signal.SIGSTOP)
+            signal_rank(pid, signal.SIGSTOP)
             try:
                 status, invalid, why, elapsed = cons.result()
             finally:
-                os.kill(pid, signal.SIGCONT)
+                signal_rank(pid, signal.SIGCONT)
             assert status in ("failed", "ok"), (status, why)
             if status == "failed":
                 assert len(invalid) == BIG // 16 and elapsed < TRANSFER_S + 3.0, (elapsed, why)
@@ -309,9 +328,9 @@ def test_consumer_killed_during_the_read(conn: str) -> None:
         # the producer survives, frees the hold when its lease runs out, and serves others
         assert wait_for(lambda: held_blocks(prod) == 0, LEASE_S + 5.0)
         assert prod.procs[0][0].is_alive()
-        params = hold(prod, "b", list(range(16)), 200)
-        other = ConsumerProc(dcfg)
+        other = ConsumerProc(dcfg)  # started first: the hold's lease (LEASE_S) runs from hold()
         try:
+            params = hold(prod, "b", list(range(16)), 200)
             assert other.load(params, verify=False)[0] == "ok"
         finally:
             other.stop()

@@ -150,7 +150,7 @@ def test_auth_modes(tmp_path: Path, auth: dict, message: str) -> None:
 @pytest.mark.parametrize("plane", ["tcp", "ucx"])
 def test_a_default_connector_listens_on_loopback_only(plane: str) -> None:
     cfg = InstanceConfig(role="prefill", engine_id="P", model=ModelConfig(num_layers=2),
-                         cache=CacheConfig(num_blocks=8), connector=ConnectorConfig(name=plane))
+                         cache=CacheConfig(num_blocks=8), connector=ConnectorConfig(name=plane, data_path="engine"))
     c = Connector.from_config(msgspec.structs.replace(
         cfg, connector=msgspec.structs.replace(cfg.connector, side_channel=msgspec.structs.replace(
             cfg.connector.side_channel, port=0))))

@@ -66,12 +66,15 @@ def held(prod: Producers, n: int) -> list[KVTransferParams]:
     return [prod.params[f"r{i}"] for i in range(n)]
 
 
-@pytest.mark.parametrize("site", ["connect", "read", "poll"])
+@pytest.mark.parametrize("site,path", [("connect", "engine"), ("read", "engine"), ("poll", "engine"),
+                                       ("read", "agent")])
 @pytest.mark.parametrize("conn", ["tcp", "cma", "ucx"])
-def test_a_consumer_plane_that_raises_fails_only_that_load(conn: str, site: str) -> None:
+def test_a_consumer_plane_that_raises_fails_only_that_load(conn: str, site: str, path: str) -> None:
+    """With path agent, the fault plugin is found by entry point in the consumer's transfer agent."""
     excs = EXCEPTIONS + (["asyncio.TimeoutError"] if conn == "ucx" else [])
-    pcfg = make_cfg("prefill", "P", connector=conn)
-    dcfg = with_faults(make_cfg("decode", "D", connector=conn, transfer_s=TRANSFER_S), conn, fault_at=site,
+    pcfg = make_cfg("prefill", "P", connector=conn, data_path=path)
+    dcfg = with_faults(make_cfg("decode", "D", connector=conn, transfer_s=TRANSFER_S, data_path=path), conn,
+                       fault_at=site,
                        fault_exc=",".join(excs))
     with Producers(pcfg, [(f"r{i}", blocks(i), NTOK) for i in range(len(excs) + 1)]) as prod:
         cons = ConsumerProc(dcfg)

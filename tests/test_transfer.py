@@ -29,6 +29,10 @@ from kvxfer.protocol import KVTransferParams, merge_params
 from kvxfer.topology import ParallelLayout
 
 CONNECTORS = ["tcp", "ucx", "cma"]
+# The matrix runs with the data path in the rank's process (the same Connector the agent runs,
+# without two agent starts per case); test_bit_exact_through_transfer_agents and the agent
+# variants in test_faults, test_supervision and test_agent run it in transfer agents.
+DATA_PATH = "engine"
 
 
 @pytest.fixture(params=CONNECTORS)
@@ -45,7 +49,8 @@ D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
 def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
-             host_staging: str = "auto", kv_fused: bool = False, hold_wait_s: float = 1.0) -> InstanceConfig:
+             host_staging: str = "auto", kv_fused: bool = False, hold_wait_s: float = 1.0,
+             data_path: str = DATA_PATH) -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
@@ -57,7 +62,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
             timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
                                     abort_s=max(600.0, transfer_s), hold_wait_s=hold_wait_s),
             auth=AuthConfig(secret_env=secret_env) if secret_env else None,
-            host_staging=host_staging,
+            host_staging=host_staging, data_path=data_path,
         ),
     )
 
@@ -165,6 +170,23 @@ def test_bit_exact_transfer(case: str, conn: str) -> None:
         assert prod.wait_released("req"), "every producer rank frees the blocks once its readers are done"
 
 
+AGENT_CASES = ["same layout", "HND 16 -> NHD 64", "prefill TP2 -> decode TP1", "prefill PP2 -> decode PP1",
+               "fused K|V HND, prefill TP1 -> decode TP2", "host staging both sides, HND -> NHD"]
+
+
+@pytest.mark.parametrize("case", AGENT_CASES)
+def test_bit_exact_through_transfer_agents(case: str, conn: str) -> None:
+    """Every rank on both sides runs its data path in a transfer agent (the default)."""
+    pkw, dkw = CASES[case]
+    pcfg = make_cfg("prefill", "P", connector=conn, data_path="agent", **pkw)
+    dcfg = make_cfg("decode", "D", connector=conn, data_path="agent", **dkw)
+    blocks = P_BLOCKS[: -(-NTOK // pcfg.cache.block_size)]
+    with Producers(pcfg, [("req", blocks, NTOK)]) as prod:
+        for status, detail, _ in consume(dcfg, prod.params["req"]):
+            assert status == "ok", (status, detail)
+        assert prod.wait_released("req")
+
+
 def test_decode_side_may_know_the_request_by_another_id(conn: str) -> None:
     """Engines such as vLLM give each instance its own request ids: reads and done notices
     carry the producer's id from the params, bookkeeping the consumer's own."""
@@ -267,11 +289,11 @@ def test_cma_producer_dead_before_the_read_fails_the_load_with_its_blocks() -> N
 
 
 # the kill must land while bytes move: two-sided planes only (see the cma case above)
-@pytest.mark.parametrize("conn", ["tcp", "ucx"])
-def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn: str) -> None:
+@pytest.mark.parametrize("conn,path", [("tcp", "engine"), ("ucx", "engine"), ("tcp", "agent"), ("ucx", "agent")])
+def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn: str, path: str) -> None:
     ntok = 64 * 1024  # 512 MiB of KV: the kill lands while bytes are moving
-    pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0)
-    dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0)
+    pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0, data_path=path)
+    dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0, data_path=path)
     pb = list(range(ntok // 16))
     with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
         p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), [], signal_first_write=True,

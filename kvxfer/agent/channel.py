@@ -37,15 +37,26 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, timeout_s: float | None = None) -> None:
+        """Send one message; one the reader has not taken within ``timeout_s`` raises TimeoutError."""
         body = self._encoder.encode(msg)
         if len(body) > MAX_FRAME:
             raise ValueError(f"{type(msg).__name__} of {len(body)} bytes exceeds the channel's {MAX_FRAME}")
+        frame = memoryview(_HEADER.pack(len(body)) + body)
         with self._send_lock:
-            try:
-                self.sock.sendall(_HEADER.pack(len(body)) + body)
-            except OSError as e:
-                raise ChannelClosed(f"send failed: {e}") from None
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while frame:
+                if deadline is not None:
+                    _, ready, _ = select.select([], [self.sock], [], max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        raise TimeoutError(f"the reader did not take {type(msg).__name__} within {timeout_s:g} s")
+                try:
+                    n = self.sock.send(frame) if deadline is None else self.sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise ChannelClosed(f"send failed: {e}") from None
+                frame = frame[n:]
 
     def _frame(self) -> Any | None:
         """One complete frame from the buffer, decoded, or None."""

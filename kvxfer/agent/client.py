@@ -9,8 +9,10 @@ A dead or hung agent never hangs the engine: every command has a time limit; an 
 exits, or holds a load past its deadline plus ``AGENT_GRACE_S``, is killed and reported
 (``broken``), and every load it had fails with its block ids at the next ``poll``.
 
-Threads: the engine's threads call in; one lock orders commands, another guards the loads
-and events. No thread of its own.
+Threads: the engine's threads call in, no thread of its own. ``_command_lock`` orders
+commands (one in flight); ``_poll_lock`` makes one ``poll`` at a time (it owns the event
+channel); ``_lock`` guards the loads, holds, pending failures and ``_dead``, and is never held
+across a blocking call.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvxfer.agent.channel import Channel, ChannelClosed
 from kvxfer.agent.messages import (
     AbandonLoad,
     Close,
+    Command,
     Done,
     Event,
     GetStats,
@@ -47,7 +50,7 @@ from kvxfer.agent.messages import (
     Wait,
 )
 from kvxfer.agent.shared import share_tensors
-from kvxfer.cache.staging import copy_blocks, mirror_of
+from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.metrics import ConnectorMetrics
@@ -80,6 +83,12 @@ class AgentMetrics(ConnectorMetrics):
         self.handoff_s = 0.0  # event sent by the agent until poll handed it to the engine
         self.handoffs = 0
 
+    def handed_over(self, loads: int, seconds: float) -> None:
+        """``loads`` finished loads reached the engine's ``poll``, ``seconds`` after the agent sent them (summed)."""
+        with self._lock:
+            self.handoffs += loads
+            self.handoff_s += seconds
+
     def snapshot(self) -> dict[str, float]:
         stats = self.owner._fetch_stats()
         if stats is not None:
@@ -91,6 +100,8 @@ class AgentMetrics(ConnectorMetrics):
                     h.counts, h.sum, h.count = list(s.counts), s.sum, s.count
         with self._lock:
             out = dict(self.last)
+            # the handoff stage ends when the engine's poll has it: the agent's event hop counts too
+            out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s
             out["agent_handoff_s"] = self.handoff_s
             out["agent_handoffs"] = float(self.handoffs)
         if self.owner.broken is not None:
@@ -120,8 +131,10 @@ class AgentConnector:
         self._commands: Channel | None = None
         self._events: Channel | None = None
         self._command_lock = threading.Lock()
-        self._lock = threading.Lock()  # the loads, the pending failures, broken
+        self._poll_lock = threading.Lock()
+        self._lock = threading.Lock()  # the loads, the holds, the pending failures, _dead
         self._loads: dict[str, _Load] = {}
+        self._held: set[str] = set()  # holds the agent keeps: freed (reported sending) if it dies
         self._failed = Finished()  # failures found here (agent dead), reported at the next poll
         self._broken: str | None = None  # the agent's own reason, from its events
         self._dead: str | None = None  # why the agent is gone
@@ -132,43 +145,46 @@ class AgentConnector:
         """Share the cache's memory with a new agent, and wait until it serves the side channel."""
         from kvxfer.connector import check_cache
 
-        if self.cache is not None:
-            raise RuntimeError("register_kv_caches: already registered")
+        if self.cache is not None or self.process is not None:
+            raise RuntimeError("register_kv_caches: already registered (or a registration failed: make a new one)")
         check_cache(self.config, self.rank, cache)
         staging = self.config.connector.host_staging
         if staging == "always" or (staging == "auto" and cache.device.type != "cpu"):
-            self.device_cache, cache = cache, mirror_of(cache)  # the agent maps the host mirror
+            self.device_cache, cache = cache, mirror_of(cache, pin=False)  # the agent maps the host mirror
             logger.info("rank %d: staging a %s cache through a host mirror", self.rank, self.device_cache.device)
         shared = share_tensors(cache)
+        if self.device_cache is not None:
+            pin_for(self.device_cache, cache)  # pinned where it now lives, in shared memory
         engine_cmd, agent_cmd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         engine_evt, agent_evt = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._commands = Channel(engine_cmd, Reply)
+        self._events = Channel(engine_evt, Event)
         fds = [agent_cmd.fileno(), agent_evt.fileno(), *(t.fd for t in shared)]
         env = dict(os.environ)
         env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # kvxfer and plugins as the engine finds them
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno())],
                 pass_fds=fds, env=env, close_fds=True)
+        except OSError as e:
+            self._teardown()
+            raise RuntimeError(f"rank {self.rank}: cannot start the transfer agent: {e}") from None
         finally:
             agent_cmd.close()
             agent_evt.close()
-        self._commands = Channel(engine_cmd, Reply)
-        self._events = Channel(engine_evt, Event)
-        import msgspec
-
         start = Start(config=msgspec.to_builtins(self.config), rank=self.rank, tensors=shared,
                       num_blocks=cache.num_blocks, sys_path=[p for p in sys.path if p])
         try:
             reply = self._call(start, AGENT_START_S)
-        except RuntimeError:
-            self._kill()
+            if isinstance(reply, Refused):
+                raise (ValueError if reply.kind == "value" else RuntimeError)(
+                    f"rank {self.rank}: transfer agent: {reply.message}")
+            if not isinstance(reply, Ready):
+                raise RuntimeError(f"rank {self.rank}: transfer agent: expected Ready, got {type(reply).__name__}")
+        except BaseException:
+            self._teardown()
             raise
-        if isinstance(reply, Refused):
-            self._kill()
-            raise (ValueError if reply.kind == "value" else RuntimeError)(f"transfer agent: {reply.message}")
-        if not isinstance(reply, Ready):
-            self._kill()
-            raise RuntimeError(f"transfer agent: expected Ready, got {type(reply).__name__}")
         self.ready = reply
         self.cache = cache
         logger.info("rank %d: transfer agent pid %d serves the side channel on port %d (%s)", self.rank,
@@ -187,49 +203,65 @@ class AgentConnector:
         return self.ready.generation
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.process is not None and self._dead is None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            alive = self.process is not None and self._dead is None
+        if alive:
             try:
                 self._call(Close())
             except RuntimeError as e:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
-        self._kill(wait_s=10.0)
+        with self._poll_lock:
+            self._teardown(wait_s=10.0)
+
+    def _teardown(self, wait_s: float = 0.0) -> None:
+        """Stop the agent (given ``wait_s`` to exit by itself) and close both channels."""
+        self._reap(wait_s)
+        with self._lock:
+            if self._dead is None:
+                self._dead = "transfer agent closed"
         for ch in (self._commands, self._events):
             if ch is not None:
                 ch.close()
 
-    def _kill(self, wait_s: float = 0.0) -> None:
+    def _reap(self, wait_s: float = 0.0) -> None:
         p = self.process
         if p is None:
             return
         try:
-            p.wait(timeout=wait_s) if wait_s else None
+            p.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            pass
-        if p.poll() is None:
             p.kill()
-            p.wait(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel; the loads are reported all the same
+                logger.error("rank %d: transfer agent pid %d did not exit after SIGKILL", self.rank, p.pid)
 
     # ------------------------------------------------------------------ commands
-    def _call(self, cmd: Any, timeout_s: float | None = None) -> Reply:
-        """Send one command and wait for its answer; a dead or silent agent raises RuntimeError."""
+    def _call(self, cmd: Command, timeout_s: float | None = None) -> Reply:
+        """Send one command and wait for its answer; a dead or silent agent raises RuntimeError
+        (and is killed: a command left unanswered would pair its reply with the next one)."""
         if self._commands is None:
             raise RuntimeError("register_kv_caches first")
         timeout_s = COMMAND_S if timeout_s is None else timeout_s
-        if self._dead is not None:
-            raise RuntimeError(f"rank {self.rank}: {self._dead}")
         with self._command_lock:
+            if self._dead is not None:
+                raise RuntimeError(f"rank {self.rank}: {self._dead}")
+            reply = None
             try:
-                self._commands.send(cmd)
+                self._commands.send(cmd, timeout_s)
                 reply = self._commands.recv(timeout_s)
-            except ChannelClosed:
-                reply = None
-                self._agent_died("exited")
-            else:
                 if reply is None:
                     self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
+            except TimeoutError as e:
+                self._agent_died(f"did not read {type(cmd).__name__}: {e}")
+            except ChannelClosed as e:
+                self._agent_died(f"exited ({e})")
+            except BaseException:
+                self._agent_died(f"was left mid-command ({type(cmd).__name__}) by an interrupt")
+                raise
         if reply is None:
             raise RuntimeError(f"rank {self.rank}: {self._dead}")
         return reply
@@ -240,27 +272,32 @@ class AgentConnector:
         return reply
 
     def _agent_died(self, how: str) -> None:
-        """The agent is gone (or made to go): kill it, and fail every load it had."""
-        p = self.process
-        if p is not None and p.poll() is None:
-            p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        code = p.returncode if p is not None else None
+        """The agent is gone (or made to go): kill it, fail every load it had, and free every
+        hold it kept (reported as ``sending``: nobody can read those blocks any more)."""
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = f"transfer agent (pid {p.pid if p else '?'}) {how}" + (
-                f"; exit code {code}" if code is not None else "")
+            self._dead = "dying"  # no new load or hold is recorded from here on
+        p = self.process
+        if p is not None and p.poll() is None:
+            p.kill()
+        self._reap(10.0)
+        code = p.returncode if p is not None else None
+        why = f"transfer agent (pid {p.pid if p else '?'}) {how}" + (f"; exit code {code}" if code is not None else "")
+        with self._lock:
+            self._dead = why
             loads, self._loads = self._loads, {}
             for rid, load in loads.items():
-                self._failed.failed[rid] = load.block_ids.tolist()
-                self._failed.errors[rid] = f"cannot load: {self._dead}"
-                self._failed.codes[rid] = ErrorCode.PLANE_BROKEN
+                self._fail_locked(rid, load.block_ids, why)
+            self._failed.sending.extend(sorted(self._held))
+            self._held.clear()
         if not self._closed:
-            logger.error("rank %d: %s; every load on this rank fails from now on", self.rank, self._dead)
+            logger.error("rank %d: %s; every load on this rank fails from now on", self.rank, why)
+
+    def _fail_locked(self, rid: str, block_ids: np.ndarray, why: str) -> None:
+        self._failed.failed[rid] = block_ids.tolist()
+        self._failed.errors[rid] = f"cannot load: {why}"
+        self._failed.codes[rid] = ErrorCode.PLANE_BROKEN
 
     # ------------------------------------------------------------------ producer
     def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams:
@@ -276,7 +313,13 @@ class AgentConnector:
                 raise ValueError(f"request {request_id}: block ids must be in [0, {self.cache.num_blocks})")
             copy_blocks(self.device_cache, self.cache, ids[:need])
         reply = self._checked(self._call(Hold(request_id, ids.tolist(), num_tokens)))
-        assert isinstance(reply, Held)
+        if not isinstance(reply, Held):
+            raise RuntimeError(f"rank {self.rank}: transfer agent answered Hold with {type(reply).__name__}")
+        with self._lock:
+            if self._dead is None:
+                self._held.add(request_id)
+            else:  # died since: the hold is gone with it
+                self._failed.sending.append(request_id)
         return reply.params
 
     def release(self, request_id: str) -> bool:
@@ -284,6 +327,8 @@ class AgentConnector:
         if self._dead is not None:
             return False
         reply = self._checked(self._call(Release(request_id)))
+        with self._lock:
+            self._held.discard(request_id)
         return isinstance(reply, Done) and reply.value
 
     # ------------------------------------------------------------------ consumer
@@ -294,17 +339,12 @@ class AgentConnector:
             raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
         ids = np.asarray(local_block_ids, dtype=np.int64)
         need = -(-params.num_tokens // self.config.cache.block_size)
-        with self._lock:
+        with self._lock:  # recorded before the command: its completion may come before the reply
             if request_id in self._loads:
                 raise ValueError(f"request {request_id} is already loading")
-            dead = self._dead
-        if dead is not None:  # as a broken rank does: the load fails at the next poll
-            with self._lock:
-                self._failed.failed[request_id] = ids[:need].tolist()
-                self._failed.errors[request_id] = f"cannot load: {dead}"
-                self._failed.codes[request_id] = ErrorCode.PLANE_BROKEN
-            return
-        with self._lock:  # before the command: the agent may report it finished before we read the reply
+            if self._dead is not None:  # as a broken rank does: the load fails at the next poll
+                self._fail_locked(request_id, ids[:need], self._dead)
+                return
             self._loads[request_id] = _Load(ids[:need], self.clock() + self.config.connector.timeouts.transfer_s)
         try:
             self._checked(self._call(StartLoad(request_id, params, ids.tolist(), num_cached_tokens)))
@@ -314,10 +354,11 @@ class AgentConnector:
             raise
         except RuntimeError:
             with self._lock:
+                load = self._loads.pop(request_id, None)
                 if self._dead is None:  # refused for another reason: not loading
-                    self._loads.pop(request_id, None)
-            if self._dead is None:
-                raise
+                    raise
+                if load is not None:  # the agent died around the command: fails at the next poll
+                    self._fail_locked(request_id, load.block_ids, self._dead)
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request is queued here: renew its producer holds until it is loaded or abandoned."""
@@ -339,16 +380,17 @@ class AgentConnector:
 
         Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event."""
         out = Finished()
-        events = self._events
-        if events is not None and self._dead is None:
-            try:
-                ev = events.recv(timeout_s)
-                while ev is not None:
-                    self._take(ev, out)
-                    ev = events.recv(0.0)
-            except ChannelClosed:
-                self._agent_died("exited")
-            self._check_deadlines()
+        with self._poll_lock:
+            events = self._events
+            if events is not None and self._dead is None:
+                try:
+                    ev = events.recv(timeout_s)
+                    while ev is not None:
+                        self._take(ev, out)
+                        ev = events.recv(0.0)
+                except ChannelClosed as e:
+                    self._agent_died(f"exited ({e})")
+                self._check_deadlines()
         with self._lock:
             if self._failed:
                 out.extend(self._failed)
@@ -356,24 +398,31 @@ class AgentConnector:
         return out
 
     def _take(self, ev: Event, out: Finished) -> None:
+        """One event into ``out``: only loads still recorded here (one the agent's death already
+        failed is not reported twice)."""
         now = time.monotonic()
         with self._lock:
-            for rid in ev.receiving:
-                load = self._loads.pop(rid, None)
-                if load is not None and self.device_cache is not None and self.cache is not None:
-                    copy_blocks(self.cache, self.device_cache, load.block_ids)
-            for rid in ev.failed:
-                self._loads.pop(rid, None)
+            done = [(rid, self._loads.pop(rid)) for rid in ev.receiving if rid in self._loads]
+            failed = [rid for rid in ev.failed if self._loads.pop(rid, None) is not None]
+            self._held.difference_update(ev.sending)
             self._broken = ev.broken
-        with self.metrics._lock:
-            self.metrics.handoff_s += (now - ev.sent_at) * (len(ev.receiving) + len(ev.failed))
-            self.metrics.handoffs += len(ev.receiving) + len(ev.failed)
+        for rid, load in done:
+            if self.device_cache is not None and self.cache is not None:
+                try:
+                    copy_blocks(self.cache, self.device_cache, load.block_ids)
+                except Exception as e:  # the bytes came but cannot reach the device: this load fails
+                    out.failed[rid] = load.block_ids.tolist()
+                    out.errors[rid] = f"copying the loaded blocks to {self.device_cache.device} failed: {e}"
+                    out.codes[rid] = ErrorCode.INTERNAL
+                    continue
+            out.receiving.append(rid)
+        for rid in failed:
+            out.failed[rid] = list(ev.failed[rid])
+            out.errors[rid] = ev.errors.get(rid, "")
+            out.codes[rid] = ev.codes.get(rid, ErrorCode.INTERNAL)
         out.sending.extend(ev.sending)
-        out.receiving.extend(ev.receiving)
-        for rid, ids in ev.failed.items():
-            out.failed.setdefault(rid, []).extend(ids)
-        out.errors.update(ev.errors)
-        out.codes.update(ev.codes)
+        n = len(done) + len(failed)
+        self.metrics.handed_over(n, (now - ev.sent_at) * n)
 
     def _check_deadlines(self) -> None:
         now = self.clock()

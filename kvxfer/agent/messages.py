@@ -110,7 +110,8 @@ Reply = Ready | Done | Held | Stats | Refused
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True):
-    """What the agent's connector reported since the last event."""
+    """What the agent's connector reported since the last event (the wire form of
+    :class:`kvxfer.transfer.aggregator.Finished`)."""
 
     sending: list[str]
     receiving: list[str]

@@ -13,6 +13,8 @@ and sends what finished. Nothing else in the process touches the channels.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -26,7 +28,6 @@ from kvxfer.agent.messages import (
     Command,
     Done,
     Event,
-    Finished,
     GetStats,
     Held,
     HistogramState,
@@ -46,11 +47,13 @@ from kvxfer.config import InstanceConfig, convert
 from kvxfer.connector import Connector
 from kvxfer.metrics import Histogram
 from kvxfer.supervise import report
+from kvxfer.transfer.aggregator import Finished
 
 logger = logging.getLogger(__name__)
 
 START_WAIT_S = 60.0  # the engine sends Start right after spawning us
 EVENT_WAIT_S = 0.02  # the event thread's longest sleep: hold releases and lease expiry run this often
+PARENT_CHECK_S = 1.0  # the agent checks this often that its engine is still its parent
 
 
 def _hist(h: Histogram) -> HistogramState:
@@ -66,11 +69,13 @@ class Agent:
         self.conn: Connector | None = None
         self._stop = threading.Event()
         self._broken: str | None = None
+        self.parent = os.getppid()
 
     def run(self) -> int:
         start = self.commands.recv(START_WAIT_S)
         if not isinstance(start, Start):
-            logger.error("transfer agent: expected Start from the engine, got %s", type(start).__name__)
+            logger.error("transfer agent: expected Start from the engine within %g s, got %s", START_WAIT_S,
+                         "nothing" if start is None else type(start).__name__)
             return 2
         try:
             self.conn = self._start(start)
@@ -85,9 +90,13 @@ class Agent:
         try:
             while True:
                 try:
-                    cmd = self.commands.recv(None)
+                    cmd = self.commands.recv(PARENT_CHECK_S)
                 except ChannelClosed:
                     logger.info("transfer agent rank %d: the engine closed the channel; exiting", conn.rank)
+                    break
+                if os.getppid() != self.parent:  # a child the engine forked may hold its end open
+                    logger.warning("transfer agent rank %d: the engine (pid %d) is gone; exiting", conn.rank,
+                                   self.parent)
                     break
                 if isinstance(cmd, Close):
                     self._stop.set()
@@ -162,20 +171,22 @@ class Agent:
     def _send_events(self) -> None:
         conn = self.conn
         assert conn is not None
+        pending = Finished()  # what poll gave and no send has carried yet
         while not self._stop.is_set():
             try:
-                out = conn.poll(EVENT_WAIT_S if conn.consumer is not None else 0.0)
+                pending.extend(conn.poll(EVENT_WAIT_S if conn.consumer is not None else 0.0))
                 broken = conn.broken
-                if out or broken != self._broken:
+                if pending or broken != self._broken:
                     self._broken = broken
-                    self.events.send(Finished(sending=out.sending, receiving=out.receiving, failed=out.failed,
-                                              errors=out.errors, codes=out.codes, broken=broken,
-                                              sent_at=time.monotonic()))
+                    self.events.send(Event(sending=pending.sending, receiving=pending.receiving,
+                                           failed=pending.failed, errors=pending.errors, codes=pending.codes,
+                                           broken=broken, sent_at=time.monotonic()))
+                    pending = Finished()
                 if conn.consumer is None:
                     self._stop.wait(EVENT_WAIT_S)
             except ChannelClosed:
                 return
-            except Exception as e:
+            except Exception as e:  # kept in pending; sent with the next turn's
                 report("agent events", e, "one poll")
                 self._stop.wait(EVENT_WAIT_S)
 
@@ -186,6 +197,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m kvxfer.agent COMMAND_FD EVENT_FD (started by the engine's connector)", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
     commands = Channel(socket.socket(fileno=int(argv[0])), Command)
     events = Channel(socket.socket(fileno=int(argv[1])), Event)
     return Agent(commands, events).run()

@@ -3,8 +3,9 @@
 The engine's cache tensors move into shared memory once, at registration, in place: torch
 swaps each storage's memory for a shared-memory file of the same bytes, so every view the
 engine (or vLLM) already holds sees the shared pages. The agent maps the same files by
-descriptor and builds its own tensors over them. Tensors allocated by
-:func:`kvxfer.cache.tensors.allocate_kv_cache` with ``shared=True`` are shared from the start.
+descriptor and builds its own tensors over them. Shared memory comes from /dev/shm (checked
+for room first); on this kernel it has no transparent huge pages unless ``shmem_enabled``
+allows them.
 """
 
 from __future__ import annotations
@@ -22,15 +23,30 @@ from kvxfer.cache.tensors import KVCache
 logger = logging.getLogger(__name__)
 
 
+SHM = "/dev/shm"
+
+
 def share_tensors(cache: KVCache) -> list[SharedTensor]:
-    """Each tensor of ``cache`` as (memory file, offset, size); moves storages to shared memory."""
+    """Each tensor of ``cache`` as (memory file, offset, size); moves storages to shared memory
+    (``cache.regions`` are described again at the new addresses)."""
     out = []
     moved = 0
+    all_moved = True
     for name, t in zip(cache.names, cache.tensors, strict=True):
         if t.device.type != "cpu":
-            raise ValueError(f"tensor {name}: a transfer agent maps host memory; this one is on {t.device}")
+            raise ValueError(f"tensor {name}: a transfer agent maps host memory; this one is on {t.device} "
+                             "(connector.host_staging stages it through a host mirror)")
+    need = sum(t.untyped_storage().nbytes() for t in cache.tensors if not t.untyped_storage().is_shared())
+    st = os.statvfs(SHM)
+    if need > st.f_bavail * st.f_frsize:
+        raise ValueError(f"the transfer agent needs the KV cache in shared memory: {need / 2**20:.0f} MiB, but "
+                         f"{SHM} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free; enlarge it (docker: "
+                         "--shm-size) or set connector.data_path: engine")
+    for name, t in zip(cache.names, cache.tensors, strict=True):
         storage = t.untyped_storage()
-        if not storage.is_shared():
+        if storage.is_shared():
+            all_moved = False
+        else:
             moved += storage.nbytes()
             storage.share_memory_()
         fd, size = storage._share_fd_cpu_()  # torch keeps the descriptor open while the storage lives
@@ -39,6 +55,9 @@ def share_tensors(cache: KVCache) -> list[SharedTensor]:
         if offset < 0 or offset + nbytes > size:
             raise ValueError(f"tensor {name}: {nbytes} bytes at offset {offset} lie outside its storage of {size}")
         out.append(SharedTensor(fd=fd, offset=offset, nbytes=nbytes, shape=list(t.shape)))
+    if moved and all_moved:  # the anonymous mappings the tensors lived in are no longer used: free them
+        cache._buffers = []
+    cache.regions = [cache._region(i, t) for i, t in enumerate(cache.tensors)]
     if moved:
         logger.info("moved %.1f MiB of KV cache into shared memory for the transfer agent", moved / 2**20)
     return out

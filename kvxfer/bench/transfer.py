@@ -28,7 +28,10 @@ same N*K blocks: aggregate GB/s, its ratio to the one request, per-request laten
 
 ``--busy-engine``: every case again with a Python thread spinning in pure Python in this
 (consumer) process, then in the producer process (peers too, in their own process pair):
-busy/idle ratios of GB/s and p50 latency, for each poll style.
+busy/idle ratios of GB/s and p50 latency, for each poll style. A third row, ``cpu``, spins
+in a process of its own: the same lost core without any GIL, the control that tells what a
+busy engine costs through its GIL from what it costs by taking a core (on a 2-core machine,
+a spinning thread takes half of it).
 
 Each connector's ``ratio`` is against its own transport's raw baseline (tcp and Mooncake:
 raw socket; ucx and NIXL: raw ucxx, one message when contiguous, the pieces when random);
@@ -45,6 +48,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -510,6 +514,7 @@ class Bench:
     def _spin(self, where: str, pair: peer_mod.PeerPair | None = None) -> Iterator[None]:
         """A Python thread spinning in ``where``: "consumer" (this process; a peer's consumer
         spins itself), "producer" (the producer process), or "idle" (none)."""
+        cpu = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if where == "cpu" else None
         if where == "consumer" and pair is None:
             self.spinner.set(True)
         elif where == "producer":
@@ -521,6 +526,9 @@ class Bench:
         try:
             yield
         finally:
+            if cpu is not None:
+                cpu.kill()
+                cpu.wait()
             if where == "consumer" and pair is None:
                 self.spinner.set(False)
             elif where == "producer":
@@ -538,7 +546,7 @@ class Bench:
         for poll in polls:
             base = idle[poll] if poll in idle else measure(poll, "idle")
             i = stat(base[0], nbytes)
-            for where in ("consumer", "producer"):
+            for where in ("consumer", "producer", "cpu"):
                 times, stages = measure(poll, where)
                 b = stat(times, nbytes)
                 self.busy_records.append({
@@ -843,8 +851,8 @@ def plot_busy(records: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sides = ["consumer", "producer"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True, squeeze=False)
+    sides = ["consumer", "producer", "cpu"]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), sharey=True, squeeze=False)
     names = list(dict.fromkeys(r["connector"] for r in records))
     cases = list(dict.fromkeys((r["pattern"], r["tokens"], r["poll"]) for r in records))
     width = 0.8 / max(1, len(names))
@@ -858,7 +866,8 @@ def plot_busy(records: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_yscale("log")  # a spinning thread costs 100x in places and gains a little in others
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([f"{p[:4]} {t}\n{poll} poll" for p, t, poll in cases], fontsize=7)
-        ax.set_title(f"a Python thread spinning in the {side} process")
+        ax.set_title(f"a Python thread spinning in the {side} process" if side != "cpu" else
+                     "a process of its own spinning (a core lost, no GIL)")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].set_ylabel("GB/s busy / GB/s idle")
     handles, labels = axes[0][0].get_legend_handles_labels()

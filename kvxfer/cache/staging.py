@@ -70,15 +70,22 @@ def scatter_from_host(cache: KVCache, block_ids: Sequence[int] | torch.Tensor,
         torch.cuda.synchronize(cache.device)
 
 
-def mirror_of(cache: KVCache, huge_pages: bool = True) -> KVCache:
-    """A host cache of the same spec and size: the registered stand-in for a device cache."""
+def mirror_of(cache: KVCache, huge_pages: bool = True, pin: bool = True) -> KVCache:
+    """A host cache of the same spec and size: the registered stand-in for a device cache.
+    ``pin=False``: the caller pins it (``pin_for``) once its memory stays where it is."""
     from kvxfer.cache.tensors import allocate_kv_cache
 
     mirror = allocate_kv_cache(cache.spec, cache.num_blocks, device="cpu", huge_pages=huge_pages)
-    if cache.device.type == "cuda":  # pin it so device copies run at full speed
+    if pin:
+        pin_for(cache, mirror)
+    return mirror
+
+
+def pin_for(cache: KVCache, mirror: KVCache) -> None:
+    """Pin ``mirror``'s host memory when ``cache`` is on a GPU, so device copies run at full speed."""
+    if cache.device.type == "cuda":
         for t in mirror.tensors:
             torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    return mirror
 
 
 def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
