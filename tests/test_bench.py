@@ -89,10 +89,11 @@ def test_bench_transfer_concurrency_busy_engine_and_stages_on_tcp(tmp_path: Path
     assert rec["checked"] and rec["poll"] == "wait" == data["poll"]
     stages = rec["stages"]
     assert stages["loads"] >= 3 and all(stages[f"{k}_us"] >= 0 for k in STAGES if f"{k}_us" in stages)
-    # --busy-engine: both poll styles (its default), a spinning thread in each process
+    # --busy-engine: both poll styles (its default), a spinning thread in each process, and the
+    # control: a spinning process of its own (a core taken, no GIL)
     busy = data["busy_engine"]
-    assert sorted((x["poll"], x["busy"]) for x in busy) == [("busy", "consumer"), ("busy", "producer"),
-                                                             ("wait", "consumer"), ("wait", "producer")]
+    assert sorted((x["poll"], x["busy"]) for x in busy) == [(p, w) for p in ("busy", "wait")
+                                                             for w in ("consumer", "cpu", "producer")]
     for x in busy:
         assert x["checked"] and x["connector"] == "tcp" and x["bytes"] == 2**21
         assert x["gbps_ratio"] == x["busy_gbps"] / x["idle_gbps"]
