@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class AgentMetrics(ConnectorMetrics):
 
     def __init__(self, owner: AgentConnector, engine_id: str, rank: int, plane: str) -> None:
         super().__init__(engine_id, rank, plane)
-        self.owner = owner
+        self.owner = weakref.ref(owner)  # no cycle: a closed connector and its cache go at once
         self.last: dict[str, float] = {}
         self.handoff_s = 0.0  # event sent by the agent until poll handed it to the engine
         self.handoffs = 0
@@ -90,7 +91,8 @@ class AgentMetrics(ConnectorMetrics):
             self.handoff_s += seconds
 
     def snapshot(self) -> dict[str, float]:
-        stats = self.owner._fetch_stats()
+        owner = self.owner()
+        stats = owner._fetch_stats() if owner is not None else None
         if stats is not None:
             with self._lock:
                 self.last = dict(stats.snapshot)
@@ -104,7 +106,7 @@ class AgentMetrics(ConnectorMetrics):
             out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s
             out["agent_handoff_s"] = self.handoff_s
             out["agent_handoffs"] = float(self.handoffs)
-        if self.owner.broken is not None:
+        if owner is None or owner.broken is not None:
             out["broken"] = 1.0
         return out
 
