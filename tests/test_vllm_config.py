@@ -66,7 +66,8 @@ def test_every_connector_field_comes_through_extra_config_and_reaches_the_connec
     assert cfg.connector.host_staging == "always" and cfg.connector.data_plane == {"streams": 2}
     assert cfg.connector.side_channel.port == 0, "vLLM passes addresses itself: free ports by default"
     assert s.metrics_port == 0
-    c = Connector.from_config(cfg)
+    assert Connector.from_config(cfg).config == cfg  # the agent gets this config whole (its Start message)
+    c = Connector.in_process(cfg)  # what the agent makes of it
     try:
         assert c.config.connector.timeouts.hold_wait_s == 2.5
         assert c.client.retries == 7
