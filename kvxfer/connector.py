@@ -62,6 +62,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def check_rank(config: InstanceConfig, rank: int) -> tuple[int, int]:
+    """A connector's rank must be in the instance and its mode implemented; (tp rank, pp rank)."""
+    if not 0 <= rank < config.world_size:
+        raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
+    if config.connector.mode != "pull":
+        raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
+    return rank % config.parallel.tp, rank // config.parallel.tp
+
+
 def check_cache(config: InstanceConfig, rank: int, cache: KVCache) -> None:
     """The cache an engine registers must be the one the config describes for ``rank``."""
     expect = spec_from_config(config, rank // config.parallel.tp)
@@ -108,14 +117,9 @@ class Connector:
 
     def __init__(self, config: InstanceConfig, rank: int, data_plane: DataPlane,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 <= rank < config.world_size:
-            raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
-        if config.connector.mode != "pull":
-            raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
+        self.tp_rank, self.pp_rank = check_rank(config, rank)
         self.config = config
         self.rank = rank
-        self.tp_rank = rank % config.parallel.tp
-        self.pp_rank = rank // config.parallel.tp
         self.layout = ParallelLayout.from_config(config)
         self.plane = data_plane
         self.plane.engine_id = config.engine_id

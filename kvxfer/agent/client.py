@@ -54,6 +54,7 @@ from kvxfer.agent.shared import share_tensors
 from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
+from kvxfer.connector import check_cache, check_rank
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams
 from kvxfer.topology import ParallelLayout
@@ -115,14 +116,9 @@ class AgentConnector:
     """A rank's connector whose data path runs in a transfer agent process (see the module doc)."""
 
     def __init__(self, config: InstanceConfig, rank: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 <= rank < config.world_size:
-            raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
-        if config.connector.mode != "pull":
-            raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
+        self.tp_rank, self.pp_rank = check_rank(config, rank)
         self.config = config
         self.rank = rank
-        self.tp_rank = rank % config.parallel.tp
-        self.pp_rank = rank // config.parallel.tp
         self.layout = ParallelLayout.from_config(config)
         self.clock = clock
         self.metrics = AgentMetrics(self, config.engine_id, rank, config.connector.name)
@@ -145,8 +141,6 @@ class AgentConnector:
     # ------------------------------------------------------------------ lifecycle
     def register_kv_caches(self, cache: KVCache) -> None:
         """Share the cache's memory with a new agent, and wait until it serves the side channel."""
-        from kvxfer.connector import check_cache
-
         if self.cache is not None or self.process is not None:
             raise RuntimeError("register_kv_caches: already registered (or a registration failed: make a new one)")
         check_cache(self.config, self.rank, cache)
