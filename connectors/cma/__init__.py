@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 OPTIONS = {"timeout_s", "host"}
 MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
+GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
+_NO_JOB = object()
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _readv = _libc.process_vm_readv
@@ -86,6 +89,17 @@ class _Peer:
     base: np.ndarray  # remote region id -> address, indexed by position in ids
     ids: np.ndarray
     sizes: np.ndarray
+
+
+@dataclass
+class _Awaited:
+    """A read whose grant request is sent and not yet answered (the read thread's)."""
+
+    peer_id: str
+    request_id: str
+    d: Descriptors
+    pos: np.ndarray  # index of each piece's remote region in the peer's tables
+    deadline: float
 
 
 def copy_from(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
@@ -127,6 +141,9 @@ class CmaDataPlane(HostRegionPlane):
         host = str(self.options.get("host", "127.0.0.1"))
         self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
         self._jobs: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._waiting: dict[int, _Awaited] = {}  # batch id -> its awaited grant (the read thread's)
+        self._wake_r, self._wake_w = os.pipe()  # a queued job wakes the read thread from its grant wait
+        os.set_blocking(self._wake_w, False)
         self._serve_thread = threading.Thread(target=self._serve, name="kvxfer-cma-grants", daemon=True)
         self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
         self._serve_thread.start()
@@ -161,9 +178,11 @@ class CmaDataPlane(HostRegionPlane):
         peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.uint64), ids,
                      np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64))
         self._jobs.put(("connect", (peer_id, peer)))
+        self._wake()
 
     def disconnect(self, peer_id: str) -> None:
         self._jobs.put(("disconnect", peer_id))
+        self._wake()
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
@@ -172,44 +191,90 @@ class CmaDataPlane(HostRegionPlane):
             self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
         else:
             self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
+            self._wake()
         return batch_id
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending (or the plane is closing)
 
     def _run(self) -> None:
         """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads.
+
+        Grants are pipelined: every queued read sends its grant request at once, and each copy
+        runs when its grant comes, so many small reads cost one round trip, not one each.
         Supervised: a failed read fails its batch, a failed connect or disconnect drops the
         peer (its reads then fail as not connected); the thread goes on."""
-        while (job := self._jobs.get()) is not None:
-            kind, arg = job
-            if kind == "read":
-                peer_id, request_id, batch_id, d = arg
+        while True:
+            job: Any
+            try:  # block for work only while no grant is awaited
+                job = self._jobs.get(timeout=None if not self._waiting else 0)
+            except queue.Empty:
+                job = _NO_JOB
+            while job is not _NO_JOB:
+                if self._take(job):  # the stop job
+                    for batch_id in list(self._waiting):
+                        self._fail_waiting(batch_id, ConnectionError("the plane is closed"))
+                    for p in self._peers.values():
+                        p.dealer.close(linger=0)
+                    return
                 try:
-                    self._read(peer_id, request_id, batch_id, d)
-                except Exception as e:  # any failure fails the batch, named; the thread goes on
-                    if not isinstance(e, OSError | ReadRefused | ValueError):
-                        report("cma reads", e, f"read for {request_id} from {peer_id}")
-                    self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
-                                                    f"peer {peer_id}: {describe(e)}"))
-                else:
-                    self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
-                continue
-            peer_id = arg[0] if kind == "connect" else arg
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = _NO_JOB
             try:
-                old = self._peers.pop(peer_id, None)
-                if old is not None:
-                    old.dealer.close(linger=0)
-                if kind == "connect":
-                    peer = arg[1]
-                    peer.dealer = self._ctx.socket(zmq.DEALER)
-                    peer.dealer.setsockopt(zmq.LINGER, 0)
-                    peer.dealer.connect(peer.addr.control)
-                    peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
-                    self._peers[peer_id] = peer
-            except Exception as e:
-                report("cma reads", e, f"{kind} {peer_id}")
-        for p in self._peers.values():
-            p.dealer.close(linger=0)
+                self._grants(GRANT_POLL_MS if self._waiting else 0)
+            except Exception as e:  # a bug here must not end the thread: what was awaited fails
+                report("cma reads", e, "grant replies")
+                for batch_id in list(self._waiting):
+                    self._fail_waiting(batch_id, e)
 
-    def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
+    def _take(self, job: Any) -> bool:
+        """One queued job; True when it is the stop job."""
+        if job is None:
+            return True
+        kind, arg = job
+        if kind == "read":
+            peer_id, request_id, batch_id, d = arg
+            try:
+                self._request_grant(peer_id, request_id, batch_id, d)
+            except Exception as e:  # any failure fails the batch, named; the thread goes on
+                if not isinstance(e, OSError | ReadRefused | ValueError):
+                    report("cma reads", e, f"read for {request_id} from {peer_id}")
+                self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
+                                                f"peer {peer_id}: {describe(e)}"))
+            return False
+        peer_id = arg[0] if kind == "connect" else arg
+        try:
+            self._drop(peer_id, ConnectionError("disconnected"))
+            if kind == "connect":
+                peer = arg[1]
+                peer.dealer = self._ctx.socket(zmq.DEALER)
+                peer.dealer.setsockopt(zmq.LINGER, 0)
+                peer.dealer.connect(peer.addr.control)
+                peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
+                self._peers[peer_id] = peer
+        except Exception as e:
+            report("cma reads", e, f"{kind} {peer_id}")
+        return False
+
+    def _drop(self, peer_id: str, why: Exception) -> None:
+        """Forget a peer; its awaited grants fail with ``why``."""
+        old = self._peers.pop(peer_id, None)
+        if old is None:
+            return
+        old.dealer.close(linger=0)
+        for batch_id in [b for b, w in self._waiting.items() if w.peer_id == peer_id]:
+            self._fail_waiting(batch_id, why)
+
+    def _fail_waiting(self, batch_id: int, e: Exception) -> None:
+        w = self._waiting.pop(batch_id)
+        self._finish(BatchResult.failed(batch_id, w.peer_id, w.request_id, code_of(e), f"peer {w.peer_id}: "
+                                        f"{describe(e)}"))
+
+    def _request_grant(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise ConnectionError("not connected")
@@ -221,18 +286,49 @@ class CmaDataPlane(HostRegionPlane):
         req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
                           offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(), token=peer.token)
         peer.dealer.send(b"R" + encode(req))
-        # a late reply to an earlier batch (it timed out) is skipped; this batch's must come in time
-        deadline = self.timeout_s * 1000
-        while True:
-            if not peer.dealer.poll(deadline):
-                self._peers.pop(peer_id, None)
-                peer.dealer.close(linger=0)
-                raise TimeoutError(f"no grant within {self.timeout_s:g}s")
-            reply = decode_data(peer.dealer.recv())
-            if isinstance(reply, ReadReply) and reply.batch_id == batch_id:
-                break
-        if reply.error:
-            raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
+        self._waiting[batch_id] = _Awaited(peer_id, request_id, d, pos, time.monotonic() + self.timeout_s)
+
+    def _grants(self, wait_ms: int) -> None:
+        """Copy for every grant that came (waiting up to ``wait_ms`` for the first); fail what
+        waited past its deadline (its producer is stalled: the peer is dropped)."""
+        dealers = {id(p.dealer): (pid, p) for pid, p in self._peers.items()
+                   if any(w.peer_id == pid for w in self._waiting.values())}
+        if dealers:
+            poller = zmq.Poller()
+            for _, p in dealers.values():
+                poller.register(p.dealer, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            for sock, _ in poller.poll(wait_ms):
+                if sock == self._wake_r:
+                    os.read(self._wake_r, 4096)  # new jobs: the caller's loop takes them
+                    continue
+                peer_id, peer = dealers[id(sock)]
+                while peer_id in self._peers and peer.dealer.poll(0):
+                    self._on_grant(peer_id, peer, decode_data(peer.dealer.recv()))
+        now = time.monotonic()
+        for batch_id, w in list(self._waiting.items()):
+            if batch_id in self._waiting and now > w.deadline:
+                self._drop(w.peer_id, TimeoutError(f"no grant within {self.timeout_s:g}s"))
+
+    def _on_grant(self, peer_id: str, peer: _Peer, reply: Any) -> None:
+        if not isinstance(reply, ReadReply):
+            return
+        w = self._waiting.pop(reply.batch_id, None)
+        if w is None or w.peer_id != peer_id:
+            return  # the late grant of a batch that already failed
+        try:
+            if reply.error:
+                raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
+            self._copy(peer, w.d, w.pos)
+        except Exception as e:
+            if not isinstance(e, OSError | ReadRefused | ValueError):
+                report("cma reads", e, f"read for {w.request_id} from {peer_id}")
+            self._finish(BatchResult.failed(reply.batch_id, peer_id, w.request_id, code_of(e),
+                                            f"peer {peer_id}: {describe(e)}"))
+        else:
+            self._finish(BatchResult(reply.batch_id, peer_id, w.request_id, w.d.nbytes, None))
+
+    def _copy(self, peer: _Peer, d: Descriptors, pos: np.ndarray) -> None:
         used = np.unique(d.local_region)
         bases = np.array([self._regions[int(r)].address for r in used], dtype=np.uint64)
         local = np.empty((len(d), 2), dtype=np.uint64)
@@ -303,5 +399,9 @@ class CmaDataPlane(HostRegionPlane):
             return
         self._closed = True
         self._jobs.put(None)
+        self._wake()
         self._read_thread.join(timeout=5)
         self._serve_thread.join(timeout=5)
+        if not self._read_thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
