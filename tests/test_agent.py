@@ -238,3 +238,23 @@ def test_too_little_shared_memory_is_refused_by_name_before_anything_moves(monke
     assert not any(t.untyped_storage().is_shared() for t in cache.tensors)  # nothing moved
     assert isinstance(c, AgentConnector) and c.process is None
     c.close()
+
+
+@pytest.mark.parametrize("pair", ["cma", "tcp"], indirect=True)
+def test_many_loads_in_flight_at_once_arrive_bit_exact(pair: tuple) -> None:
+    """cma sends every queued read's grant request at once (pipelined); tcp splits over streams."""
+    p, pt, c, ct = pair
+    n = 16
+    params = [p.hold(f"m{i}", [2 * i, 2 * i + 1], 32) for i in range(n)]
+    for i in range(n):
+        c.start_load(f"m{i}", params[i], [63 - 2 * i, 62 - 2 * i])
+    done: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(done) < n and time.monotonic() < deadline:
+        f = c.poll(0.05)
+        assert not f.failed, f.errors
+        done.update(f.receiving)
+    assert done == {f"m{i}" for i in range(n)}
+    for i in range(n):
+        for a, b in zip(pt, ct, strict=True):
+            assert torch.equal(a[[2 * i, 2 * i + 1]].view(torch.uint8), b[[63 - 2 * i, 62 - 2 * i]].view(torch.uint8))
