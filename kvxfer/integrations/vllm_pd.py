@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")  # "RuntimeError: ...", "ucxx.x.UCXError: ..."
 
 
 def free_port() -> int:
@@ -88,7 +90,7 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM {self.role} server exited with {self.proc.returncode} while starting; "
-                                   f"last lines of {self.log_path}:\n{self.tail()}")
+                                   f"errors in {self.log_path}:\n{self.errors()}\nlast lines:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -96,7 +98,18 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"vLLM {self.role} server not ready within {timeout_s:g}s; {self.log_path}:\n{self.tail()}")
+        raise TimeoutError(f"vLLM {self.role} server not ready within {timeout_s:g}s; errors in {self.log_path}:\n"
+                           f"{self.errors()}\nlast lines:\n{self.tail()}")
+
+    def errors(self, n: int = 30) -> str:
+        """The log's error lines and exception messages: the root cause of a failed start sits far above its tail,
+        in the engine core's output."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        hits = [ln for ln in lines if " ERROR " in ln or _EXCEPTION_LINE.match(ln.strip())]
+        return "\n".join(list(dict.fromkeys(hits))[:n])
 
     def tail(self, n: int = 40) -> str:
         try:
