@@ -230,7 +230,8 @@ class Connector:
         holds = self.holds
         if holds is None:
             return {}
-        return {"held_requests": len(holds), "held_blocks": holds.held_blocks(), "refused_reads": holds.refused_reads}
+        return {"held_requests": len(holds), "held_blocks": holds.held_blocks(), "refused_reads": holds.refused_reads,
+                **{f"holds_{reason}": n for reason, n in holds.released_by.items()}}
 
     def close(self) -> None:
         if self.consumer is not None:
@@ -266,7 +267,7 @@ class Connector:
 
     def release(self, request_id: str) -> bool:
         """The engine frees a hold itself (e.g. the request was cancelled)."""
-        return self.holds.release(request_id, "released by the engine") if self.holds is not None else False
+        return self.holds.release(request_id, "engine", "released by the engine") if self.holds is not None else False
 
     def _respond(self, msg: Message, peer: str) -> Message:
         holds, cache = self.holds, self.cache
@@ -305,7 +306,7 @@ class Connector:
             if isinstance(msg, LeaseRenew):
                 holds.renew(msg.request_ids)
                 return Ack()
-            holds.release(msg.request_id, f"abandoned by the consumer: {msg.reason}")
+            holds.release(msg.request_id, "abandoned", f"abandoned by the consumer: {msg.reason}")
             return Ack()
         return ErrorReply(code=ErrorCode.UNEXPECTED,
                           message=f"{type(msg).__name__} is not a request this server answers")

@@ -101,6 +101,11 @@ class Producers:
             time.sleep(0.05)
         return False
 
+    def stats(self, rank: int = 0) -> dict[str, float]:
+        conn = self.procs[rank][1]
+        conn.send("stats")
+        return recv(conn)[1]
+
     def stop(self) -> None:
         for p, conn in self.procs:
             if p.is_alive():
@@ -185,6 +190,7 @@ def test_bit_exact_through_transfer_agents(case: str, conn: str) -> None:
         for status, detail, _ in consume(dcfg, prod.params["req"]):
             assert status == "ok", (status, detail)
         assert prod.wait_released("req")
+        assert [prod.stats(r)["holds_done"] for r in range(len(prod.procs))] == [1] * len(prod.procs)
 
 
 def test_decode_side_may_know_the_request_by_another_id(conn: str) -> None:
@@ -226,6 +232,7 @@ def test_read_after_lease_expired_is_refused_and_reported(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn, lease_s=0.5), make_cfg("decode", "D", connector=conn)
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         assert prod.wait_released("req", timeout=5.0), "the producer frees the blocks when the lease runs out"
+        assert prod.stats()["holds_expired"] == 1
         (status, (invalid, why), _), = consume(dcfg, prod.params["req"])
         assert status == "failed" and invalid == D_BLOCKS[:7]
         assert "not held" in why  # never served from blocks that may have been reused
@@ -350,6 +357,9 @@ def test_fused_caches_refuse_what_they_cannot_repack(conn: str, dkw: dict, why: 
         (status, detail, _), = consume(make_cfg("decode", "D", connector=conn, **dkw), prod.params["req"])
         assert status == "failed" and why in detail[1], detail
         assert prod.wait_released("req", timeout=5.0), "the refused load abandons, so the producer frees"
+        st = prod.stats()
+        assert (st["holds_abandoned"], st["holds_expired"], st["holds_done"]) == (1, 0, 0), \
+            "freed because the consumer abandoned it, not a lease later"
 
 
 def test_auth_a_client_without_the_secret_gets_nothing(conn: str) -> None:

@@ -59,6 +59,7 @@ from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
+from kvxfer.transfer.consumer import AlreadyLoading
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ class AgentConnector:
         need = -(-params.num_tokens // self.config.cache.block_size)
         with self._lock:  # recorded before the command: its completion may come before the reply
             if request_id in self._loads:
-                raise ValueError(f"request {request_id} is already loading")
+                raise AlreadyLoading(f"request {request_id} is already loading")
             if self._dead is not None:  # as a broken rank does: the load fails at the next poll
                 self._fail_locked(request_id, ids[:need], self._dead)
                 return

@@ -72,6 +72,7 @@ from kvxfer.connector import Connector, EngineConnector
 from kvxfer.metrics import MetricsServer
 from kvxfer.protocol import KVTransferParams, RemoteRank
 from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.consumer import AlreadyLoading
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -459,11 +460,19 @@ class KvxferConnector(KVConnectorBase_V1):
             try:
                 c.start_load(ld.request_id, KVTransferParams.from_bytes(ld.params), ld.block_ids,
                              ld.num_cached_tokens)
-            except ValueError as e:
+            except AlreadyLoading as e:  # the load in flight goes on
                 logger.error("request %s: load refused: %s", ld.request_id, e)
+            except ValueError as e:
+                logger.error("request %s: load refused: %s; its prompt is computed here", ld.request_id, e)
                 self._failed_now.add(ld.request_id)
                 bs = self.cfg.cache.block_size
                 self._invalid.update(ld.block_ids[ld.num_cached_tokens // bs :])
+                # the producer frees its blocks now, not a lease later (what a load failing later does)
+                try:
+                    c.abandon(ld.request_id, KVTransferParams.from_bytes(ld.params), f"load refused: {e}")
+                except (ValueError, RuntimeError) as e2:
+                    logger.warning("request %s: abandon not sent (%s); the producer frees at its lease",
+                                   ld.request_id, e2)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole requests, finished before vLLM schedules them

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +58,18 @@ class VllmServer:
     def __init__(self, model: str | Path, port: int, role: str, connector: str = "kvxfer",
                  extra: Mapping[str, Any] | None = None, dtype: str = "bfloat16", cpu: str | None = None,
                  log: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 served_name: str = "tiny", max_model_len: int = 1024) -> None:
+                 served_name: str = "tiny", max_model_len: int = 1024, args: Sequence[str] = (),
+                 prefix_caching: bool = False) -> None:
+        """``args``: more of vLLM's command line (``--block-size 64``); ``prefix_caching``: vLLM's
+        default is on, off here unless asked (a test of transfers wants every prompt moved)."""
         self.port = port
         self.role = role
         self.log_path = Path(log) if log else Path(f"/tmp/kvxfer-vllm-{role}-{port}.log")
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
-                "--no-enable-prefix-caching", "--max-num-seqs", "8",
-                "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role, extra))]
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role, extra)), *args]
         e = dict(os.environ)
         e.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                   "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})

@@ -57,6 +57,11 @@ MAX_RENEW_IDS = 4096  # request ids in one LeaseRenew (the protocol's limit)
 JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, retries)
 
 
+class AlreadyLoading(ValueError):
+    """``start_load`` of a request already loading: refused, and the load in flight goes on
+    (unlike other refusals, the producer's hold is still in use)."""
+
+
 class LoadFailed(RuntimeError):
     """A load cannot go on; ``code`` says why for code, the message for people."""
 
@@ -245,7 +250,7 @@ class Consumer:
                              f"{params.num_tokens} tokens of {params.block_size}")
         with self._lock:
             if request_id in self._loads:
-                raise ValueError(f"request {request_id} is already loading")
+                raise AlreadyLoading(f"request {request_id} is already loading")
             self._waiting.pop(request_id, None)
             load = Load(request_id, params, ids[:need], num_cached_tokens, self.clock() + self.transfer_s,
                         local_block_size=L)

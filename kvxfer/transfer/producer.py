@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -22,6 +23,12 @@ from kvxfer.protocol import ErrorCode, Refusal
 from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)
+
+# Why a hold ended: every reader said done, the consumer abandoned it (its load failed or the
+# request ended), the lease ran out, or the engine released it. Counted per reason: a failed
+# load should free its blocks by "abandoned" at once, not by "expired" a lease later.
+ReleaseReason = Literal["done", "abandoned", "expired", "engine"]
+RELEASE_REASONS: tuple[ReleaseReason, ...] = get_args(ReleaseReason)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class HoldRegistry:
         self._released: list[str] = []
         self._lock = threading.Lock()
         self.refused_reads = 0
+        self.released_by: dict[ReleaseReason, int] = dict.fromkeys(RELEASE_REASONS, 0)
 
     def __len__(self) -> int:
         with self._lock:
@@ -85,17 +93,18 @@ class HoldRegistry:
             self._holds[request_id] = h
         return h
 
-    def _release(self, request_id: str, why: str) -> bool:
+    def _release(self, request_id: str, reason: ReleaseReason, why: str) -> bool:
         """Caller holds the lock."""
         if self._holds.pop(request_id, None) is None:
             return False
         self._released.append(request_id)
-        logger.debug("request %s: hold released (%s)", request_id, why)
+        self.released_by[reason] += 1
+        logger.debug("request %s: hold released (%s: %s)", request_id, reason, why)
         return True
 
-    def release(self, request_id: str, why: str = "engine") -> bool:
+    def release(self, request_id: str, reason: ReleaseReason = "engine", why: str = "") -> bool:
         with self._lock:
-            return self._release(request_id, why)
+            return self._release(request_id, reason, why)
 
     def on_done(self, request_id: str, consumer_engine: str, consumer_rank: int,
                 consumer_layout: ParallelLayout) -> str | None:
@@ -108,7 +117,7 @@ class HoldRegistry:
                 h.expected_readers = readers_of(self.layout, self.tp_rank, self.pp_rank, consumer_layout)
             h.done_from.add((consumer_engine, consumer_rank))
             if len(h.done_from) >= h.expected_readers:
-                self._release(request_id, f"{len(h.done_from)} of {h.expected_readers} readers done")
+                self._release(request_id, "done", f"{len(h.done_from)} of {h.expected_readers} readers done")
         return None
 
     def renew(self, request_ids: Sequence[str]) -> int:
@@ -129,7 +138,7 @@ class HoldRegistry:
             late = [rid for rid, h in self._holds.items() if min(h.lease_deadline, h.abort_deadline) <= now]
             for rid in late:
                 logger.warning("request %s: hold expired before its readers finished; blocks freed", rid)
-                self._release(rid, "lease expired")
+                self._release(rid, "expired", "lease or abort limit passed")
         return late
 
     def take_released(self) -> list[str]:
