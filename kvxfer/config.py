@@ -186,6 +186,10 @@ class CacheConfig(Config, frozen=True):
     # and in memory each head's K block, then its V block (HND only); inside a block the kernels
     # order tokens their own way, so blocks move whole and both sides need one block size
     kv_fused: bool = False
+    # the kernel's order inside a fused block: "vec" (vLLM's CPU vec/vec16 kernels: K transposed,
+    # [head_size][block_size], then V token-major), another kernel's name (moved only whole, to the
+    # same order), or "" (not known: moved whole, to any order)
+    fused_order: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{0,16}$")] = ""
     cross_layer: bool = False
     device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda(:[0-9]+)?)$")] = "cpu"
     huge_pages: bool = True

@@ -93,6 +93,7 @@ class SpecInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     mla: bool
     cross_layer: bool
     kv_fused: bool = False
+    fused_order: str = ""  # the kernel's order inside a fused block ("vec", ...; "" not known)
 
 
 # ------------------------------------------------------------------ side channel

@@ -42,6 +42,11 @@ def blocks_of(tokens: torch.Tensor, block_size: int, layout: str) -> torch.Tenso
     return b.transpose(1, 2).contiguous() if layout == "HND" else b
 
 
+def _vec_k(spec: Any, kv: int) -> bool:
+    """K of a fused cache in vLLM's CPU "vec" order: each block's K of a head is stored transposed."""
+    return bool(spec.kv_fused and spec.fused_order == "vec" and kv == 0)
+
+
 def fill(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], num_tokens: int,
          first_token: int = 0, garbage_before: int = 0) -> None:
     """Write the oracle's values for tokens [0, num_tokens) into ``block_ids`` (token order);
@@ -59,7 +64,10 @@ def fill(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], nu
             v[tok >= num_tokens] = GARBAGE
             v[tok < garbage_before] = GARBAGE
             view = cache.layer_kv(layer)[kv]
-            view.index_copy_(0, ids, blocks_of(v, bs, spec.layout).to(view.dtype))
+            b = blocks_of(v, bs, spec.layout)
+            if _vec_k(spec, kv):  # [n, heads, bs, dim] -> stored as [n, heads, dim, bs]
+                b = b.transpose(2, 3).contiguous().view(b.shape)
+            view.index_copy_(0, ids, b.to(view.dtype))
 
 
 def check(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], num_tokens: int) -> str | None:
@@ -74,6 +82,9 @@ def check(cache: Any, cfg: InstanceConfig, tp_rank: int, block_ids: list[int], n
     for layer in spec.layers:
         for kv in range(1 if spec.mla else 2):  # K and V, also when fused in one tensor
             got = cache.layer_kv(layer)[kv].index_select(0, ids)
+            if _vec_k(spec, kv):
+                n_, h_, bs_, d_ = got.shape
+                got = got.reshape(n_, h_, d_, bs_).transpose(2, 3)
             if spec.layout == "HND":
                 got = got.transpose(1, 2)
             got = got.reshape(n * bs, *got.shape[2:])[:num_tokens].float()

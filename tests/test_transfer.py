@@ -49,13 +49,14 @@ D_BLOCKS = [30, 31, 5, 6, 7, 8, 90, 91, 92, 17, 18, 70, 71]
 def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16,
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
-             host_staging: str = "auto", kv_fused: bool = False, hold_wait_s: float = 1.0,
+             host_staging: str = "auto", kv_fused: bool = False, fused_order: str = "", hold_wait_s: float = 1.0,
              data_path: str = DATA_PATH) -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
         model=ModelConfig(num_layers=4, num_kv_heads=heads, num_heads=8, head_size=head_size, mla=mla),
-        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, layout=layout, kv_fused=kv_fused),
+        cache=CacheConfig(block_size=bs, num_blocks=num_blocks, layout=layout, kv_fused=kv_fused,
+                          fused_order=fused_order),
         parallel=ParallelConfig(tp=tp, pp=pp),
         connector=ConnectorConfig(
             name=connector, side_channel=SideChannelConfig(host="127.0.0.1", port=0),
@@ -156,6 +157,12 @@ CASES = {
                                                  {"kv_fused": True, "layout": "HND"}),
     "fused K|V HND, prefill TP1 -> decode TP2": ({"kv_fused": True, "layout": "HND"},
                                                  {"kv_fused": True, "layout": "HND", "tp": 2}),
+    # vLLM's CPU "vec" order (K transposed, V token-major per block and head): re-cut between block sizes
+    "fused vec 16->64": ({"kv_fused": True, "layout": "HND", "fused_order": "vec"},
+                         {"kv_fused": True, "layout": "HND", "fused_order": "vec", "bs": 64}),
+    "fused vec 64->16, prefill TP2 -> decode TP1": ({"kv_fused": True, "layout": "HND", "fused_order": "vec",
+                                                     "bs": 64, "tp": 2},
+                                                    {"kv_fused": True, "layout": "HND", "fused_order": "vec"}),
     # the path device caches take (host mirror, batched copies), forced on for CPU caches
     "host staging both sides, HND -> NHD": ({"host_staging": "always", "layout": "HND"},
                                             {"host_staging": "always"}),

@@ -49,6 +49,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's CPU layout (HND only): one tensor per layer shaped [blocks, heads, block_size, 2 x head_size];
     # in memory each head holds its K block, then its V block (rows in the kernel's own order)
     kv_fused: bool = False
+    fused_order: str = ""  # see CacheConfig.fused_order
     mla: bool = False
     cross_layer: bool = False
     first_layer: int = 0
@@ -173,6 +174,7 @@ def spec_from_config(cfg: InstanceConfig, pp_rank: int = 0) -> KVCacheSpec:
         layout=cfg.cache.layout,
         kv_split=cfg.cache.kv_split,
         kv_fused=cfg.cache.kv_fused,
+        fused_order=cfg.cache.fused_order if cfg.cache.kv_fused else "",
         mla=cfg.model.mla,
         cross_layer=cfg.cache.cross_layer,
     )

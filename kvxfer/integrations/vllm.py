@@ -207,6 +207,22 @@ def _name(text: str) -> str:
     return out[:128] or "vllm"
 
 
+def fused_order(vllm_config: VllmConfig, dtype: CacheDtype) -> str:
+    """The order vLLM's CPU attention keeps inside a block ("vec" for its vec and vec16 kernels,
+    else the kernel's name), or "" where kvxfer cannot tell: blocks then move only whole."""
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):  # fp8 caches: another writer, not checked
+        return ""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = str(_get_attn_isa(TORCH_DTYPES[dtype], vllm_config.cache_config.block_size,
+                                vllm_config.model_config.get_head_size()))
+    except (ImportError, AttributeError, TypeError, NotImplementedError, KeyError) as e:
+        logger.warning("vLLM's CPU attention kernel not known (%s): KV blocks move only whole, to one block size", e)
+        return ""
+    return "vec" if isa in ("vec", "vec16") else isa
+
+
 def instance_config(vllm_config: VllmConfig, num_blocks: int,
                     dtype: CacheDtype = "float32") -> tuple[VllmSettings, InstanceConfig]:
     """The kvxfer view of a vLLM instance: role, geometry from vLLM, connector from the settings."""
@@ -227,7 +243,8 @@ def instance_config(vllm_config: VllmConfig, num_blocks: int,
     return s, InstanceConfig(
         role=ROLES[kvt.kv_role], engine_id=_name(kvt.engine_id or "vllm"), model=model,
         cache=CacheConfig(block_size=vllm_config.cache_config.block_size, num_blocks=max(num_blocks, 1),
-                          layout="HND", kv_fused=True, dtype=dtype, huge_pages=False),
+                          layout="HND", kv_fused=True, fused_order=fused_order(vllm_config, dtype), dtype=dtype,
+                          huge_pages=False),
         parallel=ParallelConfig(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size),
         connector=s.connector,
     )

@@ -39,6 +39,7 @@ from kvxfer.supervise import code_of, describe, report
 from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible, readers_of, remote_sources
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.planner import (
+    FUSED_REPACKABLE,
     SideLayout,
     StagedPlan,
     check_alignment,
@@ -436,10 +437,16 @@ class Consumer:
                                  f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)",
                                  ErrorCode.INCOMPATIBLE)
         rbs, lbs = meta.spec.block_size, local.block_size
-        if local.kv_fused and rbs != lbs:
+        ro, lo = meta.spec.fused_order, local.fused_order
+        if local.kv_fused and ro and lo and ro != lo:
+            raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: fused caches in different kernel "
+                                 f"orders (fused_order: local {lo!r}, remote {ro!r}; no repack between them yet)",
+                                 ErrorCode.INCOMPATIBLE)
+        if local.kv_fused and rbs != lbs and not (ro == lo == FUSED_REPACKABLE):
             raise HandshakeError(f"producer {engine_id} rank {r.rank}: fused caches (vLLM's CPU layout) move whole "
                                  f"blocks in the engine's own token order: block sizes must match (local {lbs}, "
-                                 f"remote {rbs})", ErrorCode.INCOMPATIBLE)
+                                 f"remote {rbs}) unless both orders are {FUSED_REPACKABLE!r} (fused_order: local "
+                                 f"{lo!r}, remote {ro!r})", ErrorCode.INCOMPATIBLE)
         if max(rbs, lbs) % min(rbs, lbs):
             raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)",
                                  ErrorCode.INCOMPATIBLE)
@@ -478,7 +485,8 @@ class Consumer:
             load.peers[rr] = peer
             parts: list[Descriptors] = []
             for s in sls:
-                if peer.side.layout == self.local_side.layout:
+                if peer.side.layout == self.local_side.layout and not (
+                        peer.side.head_factor == 2 and peer.side.block_size != self.local_side.block_size):
                     parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
                                              load.skip_tokens, params.num_tokens))
                 else:

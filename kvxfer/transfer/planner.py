@@ -31,12 +31,17 @@ from kvxfer.protocol import RegionInfo, SpecInfo
 from kvxfer.repack import place_heads, to_local
 from kvxfer.topology import SourceSlice
 
+# The fused order kvxfer can re-cut between block sizes: vLLM's CPU vec/vec16 kernels keep, per
+# block and head, K transposed ([head_size][block_size]) and then V token-major ([block_size][head_size])
+FUSED_REPACKABLE = "vec"
+
 
 def spec_info(s: KVCacheSpec) -> SpecInfo:
     """The essentials of a rank's spec as sent in the handshake."""
     return SpecInfo(num_layers=s.num_layers, first_layer=s.first_layer, num_kv_heads=s.num_kv_heads,
                     head_size=s.head_size, block_size=s.block_size, dtype=s.dtype, layout=s.layout,
-                    kv_split=s.kv_split, mla=s.mla, cross_layer=s.cross_layer, kv_fused=s.kv_fused)
+                    kv_split=s.kv_split, mla=s.mla, cross_layer=s.cross_layer, kv_fused=s.kv_fused,
+                    fused_order=s.fused_order)
 
 
 def region_info(r: MemoryRegion) -> RegionInfo:
@@ -62,6 +67,7 @@ class SideLayout:
     regions: dict[int, tuple[int, int]]  # region id -> (block_stride, length)
     head_factor: int  # stored heads per model head: 2 for a fused cache (its K and V run one after the other)
     by_layer: dict[tuple[int, int], int]  # (layer, kv) -> region id
+    fused_order: str = ""  # a fused cache's order inside a block (CacheConfig.fused_order)
     # locations() per layer range: planning a small request is mostly this table (about 60% of
     # a 1-block plan); written by the consumer's worker thread only
     _locations: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict, compare=False, repr=False)
@@ -118,6 +124,7 @@ class SideLayout:
             first_layer=spec.first_layer, num_layers=spec.num_layers, cross_layer=spec.cross_layer,
             kv_split=spec.kv_split, mla=spec.mla,
             regions={r.region_id: (r.block_stride, r.length) for r in regions}, by_layer=by_layer,
+            fused_order=spec.fused_order if spec.kv_fused else "",
         )
 
 
@@ -245,9 +252,59 @@ def plan_staged(remote: SideLayout, sl: SourceSlice, remote_blocks: np.ndarray, 
     return concat(parts), StagedPlan(staging, staging_region_id, pairs, sl, j0, n)
 
 
+def fused_to_tokens(blocks: torch.Tensor, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, heads, 2 * block_size * head_size]`` fused blocks in the "vec" order -> K and V as
+    ``[heads, n * block_size, head_size]`` token-major (views where the order allows)."""
+    n, h = blocks.shape[:2]
+    kv = blocks.view(n, h, 2, block_size * head_size)
+    k = kv[:, :, 0].view(n, h, head_size, block_size).transpose(2, 3)  # K is stored transposed
+    v = kv[:, :, 1].view(n, h, block_size, head_size)
+    return (k.permute(1, 0, 2, 3).reshape(h, n * block_size, head_size),
+            v.permute(1, 0, 2, 3).reshape(h, n * block_size, head_size))
+
+
+def tokens_to_fused(k: torch.Tensor, v: torch.Tensor, block_size: int) -> torch.Tensor:
+    """K and V ``[heads, m * block_size, head_size]`` -> ``[m, heads, 2 * block_size * head_size]``
+    fused blocks in the "vec" order (the inverse of :func:`fused_to_tokens`)."""
+    h, t, d = k.shape
+    m = t // block_size
+    kb = k.view(h, m, block_size, d).permute(1, 0, 3, 2).reshape(m, h, block_size * d)  # transposed
+    vb = v.view(h, m, block_size, d).permute(1, 0, 2, 3).reshape(m, h, block_size * d)
+    return torch.stack([kb, vb], dim=2).reshape(m, h, 2 * block_size * d)
+
+
+def _finish_fused(plan: StagedPlan, remote: SideLayout, cache: KVCache, local_blocks: np.ndarray,
+                  skip_tokens: int, num_tokens: int) -> None:
+    """Staged fused blocks ("vec" order) re-cut to the local block size, same order."""
+    spec = cache.spec
+    R, L, D = remote.block_size, spec.block_size, spec.head_size
+    first_local = skip_tokens // L
+    m = math.ceil((num_tokens - skip_tokens) / L)
+    ids = torch.as_tensor(local_blocks[first_local : first_local + m], dtype=torch.int64)
+    start = skip_tokens - plan.first_remote_block * R  # skip_tokens is aligned to both block sizes
+    heads = plan.slice.remote_heads
+    for i, (layer, _) in enumerate(plan.pairs):
+        staged = plan.staging[i].view(spec.torch_dtype).view(plan.n_remote_blocks, remote.num_heads // 2, -1)
+        k, v = fused_to_tokens(staged[:, heads.start : heads.stop], R, D)
+        pad = m * L - (k.shape[1] - start)
+        k, v = (torch.nn.functional.pad(x[:, start:], (0, 0, 0, pad)) if pad > 0 else x[:, start : start + m * L]
+                for x in (k, v))
+        blocks = tokens_to_fused(k, v, L)  # [m, len(heads), 2 * L * D]
+        fused = cache.tensors[layer - spec.first_layer].view(cache.num_blocks, spec.num_kv_heads, -1)
+        if len(heads) == spec.num_kv_heads:
+            fused.index_copy_(0, ids, blocks)
+        else:
+            cur = fused.index_select(0, ids)
+            cur[:, plan.slice.local_heads.start : plan.slice.local_heads.stop] = blocks
+            fused.index_copy_(0, ids, cur)
+
+
 def finish_staged(plan: StagedPlan, remote: SideLayout, cache: KVCache, local_blocks: np.ndarray,
                   skip_tokens: int, num_tokens: int) -> None:
     """Rearrange staged remote blocks into the local cache's blocks and head slice."""
+    if remote.head_factor == 2:
+        _finish_fused(plan, remote, cache, local_blocks, skip_tokens, num_tokens)
+        return
     spec = cache.spec
     R, L = remote.block_size, spec.block_size
     shape_r = ((R, remote.num_heads, -1) if remote.layout == "NHD" else (remote.num_heads, R, -1))
