@@ -26,7 +26,7 @@ def vllm_config(extra: dict[str, Any] | None = None, role: str = "kv_consumer", 
     kvt = SimpleNamespace(kv_connector_extra_config=extra or {}, kv_role=role, engine_id="0a9abb4a-09ba")
     return SimpleNamespace(kv_transfer_config=kvt, model_config=model,
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-                           cache_config=SimpleNamespace(block_size=128))
+                           cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"))
 
 
 def test_geometry_comes_from_vllm_and_the_plane_from_extra_config() -> None:
