@@ -239,7 +239,7 @@ class TimeoutsConfig(Config, frozen=True):
     abort_s: PositiveFloat = 600.0  # the longest a hold may live, renewals included
     reservation_s: PositiveFloat = 60.0
     # a read refused as "not held" is tried again this long: engines make holds asynchronously
-    hold_wait_s: NonNegativeFloat = 1.0
+    hold_wait_s: NonNegativeFloat = 5.0  # vLLM under load: a step can take seconds
 
 
 class AuthConfig(Config, frozen=True):

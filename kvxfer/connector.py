@@ -306,7 +306,7 @@ class Connector:
             if isinstance(msg, LeaseRenew):
                 holds.renew(msg.request_ids)
                 return Ack()
-            holds.release(msg.request_id, "abandoned", f"abandoned by the consumer: {msg.reason}")
+            holds.abandon(msg.request_id, f"abandoned by the consumer: {msg.reason}")
             return Ack()
         return ErrorReply(code=ErrorCode.UNEXPECTED,
                           message=f"{type(msg).__name__} is not a request this server answers")

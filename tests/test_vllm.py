@@ -152,11 +152,9 @@ def block_bytes(dtype: str) -> int:
 def log_problems(logs: Path) -> str:
     """The servers' last warnings and errors, for a failure message (CI keeps no temp dirs)."""
     out = []
-    for name in ("prefill.log", "decode.log"):
-        f = logs / name
-        if f.exists():
-            out += [f"{name}: {ln.strip()}" for ln in f.read_text(errors="replace").splitlines()
-                    if " WARNING " in ln or " ERROR " in ln][-15:]
+    for f in sorted(logs.glob("*.log")):
+        out += [f"{f.name}: {ln.strip()}" for ln in f.read_text(errors="replace").splitlines()
+                if " WARNING " in ln or " ERROR " in ln][-15:]
     return "\n".join(out) or "(no warning or error in the server logs)"
 
 

@@ -87,13 +87,13 @@ def test_concurrent_requests_through_the_proxy(instances: Instances, prefills: l
         proxy.wait(timeout=10)
     assert got == refs, f"a request through the proxy differs from the model's own\n{log_problems(instances.logs)}"
     for n in prefills:  # the done notices may land just after the answers
-        assert wait_until(lambda n=n: scrape(m[n])["kvxfer_held_blocks"] == 0)
+        assert wait_until(lambda n=n: scrape(m[n])["kvxfer_held_blocks"] == 0), log_problems(instances.logs)
     after = {n: scrape(port) for n, port in m.items()}
 
     def delta(name: str, key: str) -> float:
         return after[name].get(key, 0) - before[name].get(key, 0)
 
-    assert sum(delta(n, "kvxfer_loads_ok_total") for n in decodes) == REQUESTS
+    assert sum(delta(n, "kvxfer_loads_ok_total") for n in decodes) == REQUESTS, log_problems(instances.logs)
     assert all(delta(n, "kvxfer_loads_failed_total") == 0 for n in decodes)
     assert all(delta(n, "kvxfer_loads_ok_total") > 0 for n in decodes), "every decode server loaded"
     assert all(delta(n, "kvxfer_holds_done_total") > 0 for n in prefills), "every prefill server served"

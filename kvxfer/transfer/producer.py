@@ -5,6 +5,11 @@ rank has sent a done notice, the consumer abandons the request, or the lease run
 lease starts at ``lease_s``; renewals (sent while the request waits in the decode queue) and
 reads push it out again, but never past ``abort_s`` after the hold began. Once a hold is
 released, reads for it are refused: its blocks may already hold another request's KV.
+
+Engines make holds asynchronously (vLLM: one engine step after the request finished), so a
+consumer's abandon can arrive before the hold it is for. Such an abandon is remembered for
+``lease_s`` (bounded): the hold, when it comes, is released at once as "abandoned", not a
+lease later.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -29,6 +35,7 @@ logger = logging.getLogger(__name__)
 # load should free its blocks by "abandoned" at once, not by "expired" a lease later.
 ReleaseReason = Literal["done", "abandoned", "expired", "engine"]
 RELEASE_REASONS: tuple[ReleaseReason, ...] = get_args(ReleaseReason)
+MAX_EARLY_ABANDONS = 65536  # abandons remembered for holds not made yet (the oldest are forgotten first)
 
 
 @dataclass
@@ -62,6 +69,7 @@ class HoldRegistry:
         self.clock = clock
         self._holds: dict[str, Hold] = {}
         self._released: list[str] = []
+        self._early_abandons: OrderedDict[str, float] = OrderedDict()  # request id -> forget after (clock)
         self._lock = threading.Lock()
         self.refused_reads = 0
         self.released_by: dict[ReleaseReason, int] = dict.fromkeys(RELEASE_REASONS, 0)
@@ -91,7 +99,24 @@ class HoldRegistry:
             if request_id in self._holds:
                 raise ValueError(f"request {request_id} is already held")
             self._holds[request_id] = h
+            forget_after = self._early_abandons.pop(request_id, None)
+            if forget_after is not None and forget_after > now:  # its consumer gave up before the hold came
+                self._release(request_id, "abandoned", "abandoned by the consumer before the hold was made")
         return h
+
+    def abandon(self, request_id: str, why: str) -> bool:
+        """The consumer will not read this request: release its hold now, or, if it is not made
+        yet, as soon as it is (within ``lease_s``). True if a hold was released now."""
+        with self._lock:
+            if self._release(request_id, "abandoned", why):
+                return True
+            now = self.clock()
+            self._early_abandons[request_id] = now + self.lease_s
+            self._early_abandons.move_to_end(request_id)
+            while self._early_abandons and (len(self._early_abandons) > MAX_EARLY_ABANDONS
+                                            or next(iter(self._early_abandons.values())) <= now):
+                self._early_abandons.popitem(last=False)
+        return False
 
     def _release(self, request_id: str, reason: ReleaseReason, why: str) -> bool:
         """Caller holds the lock."""

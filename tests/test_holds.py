@@ -1,0 +1,84 @@
+"""The producer's holds when the engine makes them late: an abandon that arrives first is kept.
+
+vLLM makes the prefill side's hold one engine step after it answered the request, so the decode
+side can give up (its load refused, the request aborted, a full local prefix hit) before the
+hold exists. The hold must then be freed the moment it is made, not a lease later.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+from test_transfer import make_cfg
+
+from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.connector import Connector
+from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.producer import HoldRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def registry(clock: Clock, lease_s: float = 10.0) -> HoldRegistry:
+    layout = ParallelLayout(tp_size=1, pp_size=1, num_layers=2, num_kv_heads=2)
+    return HoldRegistry(layout, 0, 0, 64, {0: (1024, 64 * 1024)}, lease_s, 600.0, clock)
+
+
+def test_an_abandon_before_the_hold_frees_it_as_soon_as_it_is_made() -> None:
+    clock = Clock()
+    h = registry(clock)
+    assert h.abandon("r1", "load refused") is False  # nothing held yet
+    h.hold("r1", [1, 2, 3], 40)
+    assert h.take_released() == ["r1"] and len(h) == 0
+    assert h.released_by["abandoned"] == 1 and h.released_by["expired"] == 0
+    h.hold("r1", [1, 2, 3], 40)  # remembered once: a later hold of the same id stays
+    assert len(h) == 1
+
+
+def test_an_early_abandon_is_forgotten_after_a_lease() -> None:
+    clock = Clock()
+    h = registry(clock, lease_s=10.0)
+    h.abandon("r1", "gone")
+    clock.now += 10.5
+    h.hold("r1", [4], 1)
+    assert h.take_released() == [] and len(h) == 1
+
+
+def test_an_abandon_of_a_held_request_releases_it_at_once() -> None:
+    clock = Clock()
+    h = registry(clock)
+    h.hold("r1", [5, 6], 20)
+    assert h.abandon("r1", "gone") is True
+    assert h.take_released() == ["r1"] and h.released_by["abandoned"] == 1
+
+
+def test_an_abandon_over_the_side_channel_before_the_hold() -> None:
+    """Real side channel: the consumer's Abandon reaches the producer before its engine holds."""
+    pcfg, dcfg = make_cfg("prefill", "P"), make_cfg("decode", "D")
+    prod, cons = Connector.in_process(pcfg, 0), Connector.in_process(dcfg, 0)
+    try:
+        prod.register_kv_caches(allocate_kv_cache(spec_from_config(pcfg), pcfg.cache.num_blocks))
+        cons.register_kv_caches(allocate_kv_cache(spec_from_config(dcfg), dcfg.cache.num_blocks))
+        params = prod.hold("template", [1, 2], 20)
+        prod.release("template")
+        prod.poll()
+        late = msgspec.structs.replace(params, request_id="late")
+        cons.abandon("late", late, "request aborted")
+        deadline = time.monotonic() + 10
+        while prod.holds is not None and "late" not in prod.holds._early_abandons:
+            assert time.monotonic() < deadline, "the abandon never reached the producer"
+            time.sleep(0.01)
+        prod.hold("late", np.array([7, 8]), 20)
+        assert prod.poll().sending == ["late"], "freed when made, not a lease later"
+        assert prod.stats()["holds_abandoned"] == 1
+    finally:
+        cons.close()
+        prod.close()
