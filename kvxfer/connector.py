@@ -42,32 +42,33 @@ from kvxfer.protocol import (
     HandshakeResponse,
     Hello,
     KVTransferParams,
+    LayersReady,
     LeaseRenew,
     Message,
+    PushTarget,
     RemoteRank,
     compat_hash,
 )
-from kvxfer.topology import ParallelLayout
+from kvxfer.topology import ParallelLayout, check_compatible
 from kvxfer.transfer.aggregator import Finished, FinishedAggregator
 from kvxfer.transfer.consumer import Consumer
 from kvxfer.transfer.planner import region_info, spec_info
 from kvxfer.transfer.producer import HoldRegistry
+from kvxfer.transfer.pusher import Pusher
 
 __all__ = [
     "ENTRY_POINT_GROUP", "BatchResult", "Connector", "DataPlane", "Descriptors", "EngineConnector", "Finished",
-    "FinishedAggregator", "KVTransferParams", "ReadValidator", "TokenChecker", "available_data_planes",
-    "check_bounds", "load_data_plane",
+    "FinishedAggregator", "KVTransferParams", "PushTarget", "ReadValidator", "TokenChecker",
+    "available_data_planes", "check_bounds", "load_data_plane",
 ]
 
 logger = logging.getLogger(__name__)
 
 
 def check_rank(config: InstanceConfig, rank: int) -> tuple[int, int]:
-    """A connector's rank must be in the instance and its mode implemented; (tp rank, pp rank)."""
+    """A connector's rank must be in the instance; (tp rank, pp rank)."""
     if not 0 <= rank < config.world_size:
         raise ValueError(f"rank: expected 0 <= rank < {config.world_size}, got {rank}")
-    if config.connector.mode != "pull":
-        raise ValueError(f"connector.mode: {config.connector.mode!r} is not implemented yet; use 'pull'")
     return rank % config.parallel.tp, rank // config.parallel.tp
 
 
@@ -99,12 +100,18 @@ class EngineConnector(Protocol):
     @property
     def broken(self) -> str | None: ...
     def close(self) -> None: ...
-    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams: ...
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+             streaming: bool = False) -> KVTransferParams: ...
     def release(self, request_id: str) -> bool: ...
+    def save_layer(self, request_id: str, layer: int) -> None: ...
+    def push(self, request_id: str, target: PushTarget) -> None: ...
     def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                    num_cached_tokens: int = 0) -> None: ...
+    def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                num_cached_tokens: int = 0) -> PushTarget: ...
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float) -> bool: ...
     def wait(self, request_id: str, params: KVTransferParams) -> None: ...
-    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None: ...
+    def abandon(self, request_id: str, params: KVTransferParams | None, reason: str = "dropped") -> None: ...
 
 
 class Connector:
@@ -131,6 +138,7 @@ class Connector:
         self.cache: KVCache | None = None
         self.holds: HoldRegistry | None = None
         self.consumer: Consumer | None = None
+        self.pusher: Pusher | None = None
         self.server: SideChannelServer | None = None
         self.auth = Authenticator(self.secret)
         self.metrics = ConnectorMetrics(config.engine_id, rank, data_plane.name, clock)
@@ -179,18 +187,23 @@ class Connector:
         t = self.config.connector.timeouts
         self.holds = HoldRegistry(self.layout, self.tp_rank, self.pp_rank, cache.num_blocks,
                                   {r.region_id: (r.block_stride, r.length) for r in cache.regions},
-                                  t.lease_s, t.abort_s, self.clock)
+                                  t.lease_s, t.abort_s, self.clock,
+                                  region_layers={r.region_id: r.layers for r in cache.regions})
         self.plane.set_read_validator(self.holds.validate)
         if self.secret is not None:
             self.plane.set_token_checker(self.auth.check_token)
         sc = self.config.connector.side_channel
         port = sc.port + self.rank if sc.port else 0
-        self.server = SideChannelServer(sc.host, port, self._respond, name=f"kvxfer-side-{self.rank}")
         if self.config.role in ("decode", "both"):
             self.consumer = Consumer(self.config.engine_id, self.rank, self.layout, self.tp_rank, self.pp_rank,
                                      cache, self.plane, self.client, self.secret, self.config.model.name,
                                      t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage,
-                                     metrics=self.metrics, hold_wait_s=t.hold_wait_s)
+                                     metrics=self.metrics, hold_wait_s=t.hold_wait_s,
+                                     reservation_s=t.reservation_s)
+        if self.config.role in ("prefill", "both"):
+            self.pusher = Pusher(self.config.engine_id, self.rank, self.layout, self.holds,
+                                 SideChannelClient(t.handshake_s, t.handshake_retries), self.secret)
+        self.server = SideChannelServer(sc.host, port, self._respond, name=f"kvxfer-side-{self.rank}")
         logger.info("rank %d registered %d regions (%.1f MiB); side channel %s:%d", self.rank,
                     len(cache.regions), cache.nbytes / 2**20, sc.host, self.server.port)
 
@@ -236,22 +249,28 @@ class Connector:
     def close(self) -> None:
         if self.consumer is not None:
             self.consumer.close()
+        if self.pusher is not None:
+            self.pusher.close()
         if self.server is not None:
             self.server.close()
         self.plane.close()
 
     # ------------------------------------------------------------------ producer
-    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams:
-        """Pin a finished prompt's blocks for the decode side; returns what it needs to read them."""
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+             streaming: bool = False) -> KVTransferParams:
+        """Pin a prompt's blocks for the decode side; returns what it needs to read them.
+
+        Pull: the prompt is computed. ``streaming`` (push): no layer is written yet; each
+        becomes readable when ``save_layer`` says so, and ``push`` names who reads it."""
         if self.holds is None or self.server is None or self.cache is None:
             raise RuntimeError("hold: register_kv_caches first")
         ids = np.asarray(block_ids, dtype=np.int64)
         need = -(-num_tokens // self.cache.spec.block_size)
         if len(ids) < need:
             raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} blocks, got {len(ids)}")
-        if self.device_cache is not None:  # the blocks must be on the host before anyone reads them
+        if self.device_cache is not None and not streaming:  # on the host before anyone reads them
             copy_blocks(self.device_cache, self.cache, ids[:need])
-        self.holds.hold(request_id, ids[:need], num_tokens)
+        self.holds.hold(request_id, ids[:need], num_tokens, streaming=streaming)
         sc = self.config.connector.side_channel
         return KVTransferParams(
             request_id=request_id, engine_id=self.config.engine_id, num_tokens=num_tokens,
@@ -259,6 +278,45 @@ class Connector:
             ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
             lease_s=self.config.connector.timeouts.lease_s,
         )
+
+    def save_layer(self, request_id: str, layer: int) -> None:
+        """Push mode: the engine's forward pass has written ``layer`` (a global layer id on this
+        rank) of a streaming hold; its push targets read it now."""
+        if self.holds is None or self.pusher is None:
+            raise RuntimeError("save_layer: register_kv_caches first, on a prefill (or both) rank")
+        if self.device_cache is not None and self.cache is not None:
+            ids = self.holds.block_ids_of(request_id)
+            if ids is not None:
+                copy_blocks(self.device_cache, self.cache, ids)
+        if self.holds.save_layer(request_id, layer):
+            self.pusher.notify(request_id)
+
+    def push(self, request_id: str, target: PushTarget) -> None:
+        """Push mode: the decode side reserved blocks for this held request (``target``, from its
+        ``reserve``). Every layer saved so far is read at once, the rest as they are saved."""
+        if self.holds is None or self.pusher is None or self.server is None or self.cache is None:
+            raise RuntimeError("push: register_kv_caches first, on a prefill (or both) rank")
+        if not isinstance(target, PushTarget):
+            raise ValueError(f"request {request_id}: push target must be a PushTarget, got {type(target).__name__}")
+        check_compatible(self.layout, target.layout)
+        if not target.ranks:
+            raise ValueError(f"request {request_id}: push target {target.request_id} names no decode rank")
+        held = self.holds.num_tokens_of(request_id)
+        if held is None:
+            raise ValueError(f"request {request_id} is not held (never held, released, or expired)")
+        if held != target.num_tokens:
+            raise ValueError(f"request {request_id}: {held} tokens held, but the push target reserved "
+                             f"{target.num_tokens}")
+        ids = self.holds.block_ids_of(request_id)
+        assert ids is not None
+        sc = self.config.connector.side_channel
+        params = KVTransferParams(
+            request_id=request_id, engine_id=self.config.engine_id, num_tokens=held, block_ids=ids.tolist(),
+            block_size=self.cache.spec.block_size, layout=self.layout,
+            ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
+            lease_s=self.config.connector.timeouts.lease_s)
+        self.holds.attach(request_id, target, params)
+        self.pusher.notify(request_id)
 
     def _unstage(self, block_ids: list[int]) -> None:
         """Consumer side: loaded blocks go from the host mirror to the device cache."""
@@ -294,6 +352,16 @@ class Connector:
                                         spec.head_size, spec.dtype, spec.mla),
                 model=self.config.model.name,
             )
+        if isinstance(msg, LayersReady):
+            if not self.auth.check_token(msg.token):
+                return ErrorReply(code=ErrorCode.AUTH, message="no valid handshake token")
+            if msg.generation != self.generation:
+                return ErrorReply(code=ErrorCode.STALE_GENERATION,
+                                  message=f"this rank serves generation {self.generation}")
+            if self.consumer is None:
+                return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"a {self.config.role} rank takes no push")
+            refusal = self.consumer.layers_ready(msg)
+            return ErrorReply(code=refusal.code, message=refusal.message) if refusal else Ack()
         if isinstance(msg, DoneNotice | LeaseRenew | Abandon):
             if not self.auth.check_token(msg.token):
                 return ErrorReply(code=ErrorCode.AUTH, message="no valid handshake token")
@@ -322,10 +390,33 @@ class Connector:
         """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
         self._consumer().start_load(request_id, params, local_block_ids, num_cached_tokens)
 
+    def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                num_cached_tokens: int = 0) -> PushTarget:
+        """Push mode: reserve blocks a prefill instance will push a prompt into; returns the
+        target to hand it (merge the ranks' targets with ``merge_targets``). ``poll`` reports
+        the request in ``receiving`` once every layer has landed, or in ``failed``; the
+        reservation ends after ``timeouts.reservation_s``, or ``transfer_s`` after the last push."""
+        consumer = self._consumer()
+        if self.server is None:
+            raise RuntimeError("reserve: register_kv_caches first")
+        consumer.reserve(request_id, local_block_ids, num_tokens, num_cached_tokens)
+        sc = self.config.connector.side_channel
+        return PushTarget(request_id=request_id, engine_id=self.config.engine_id, num_tokens=num_tokens,
+                          num_cached_tokens=num_cached_tokens, layout=self.layout,
+                          ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port,
+                                            generation=self.generation)],
+                          lease_s=self.config.connector.timeouts.reservation_s)
+
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float) -> bool:
+        """Push mode: wait until ``layer`` of a reserved request has landed (True), the request
+        failed or is unknown (False), or ``timeout_s`` passed (False)."""
+        return self._consumer().wait_layer(request_id, layer, timeout_s)
+
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request is queued here: renew its producer holds until it is loaded or abandoned."""
         self._consumer().wait(request_id, params)
 
-    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
-        """The request will not be loaded: the producers free its blocks at once."""
+    def abandon(self, request_id: str, params: KVTransferParams | None, reason: str = "dropped") -> None:
+        """The request will not be loaded: the producers free its blocks at once (push: the
+        reservation ends, and a producer's next notice is refused)."""
         self._consumer().abandon(request_id, params, reason)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
 from kvxfer.topology import ParallelLayout
 
-PROTOCOL_VERSION = 2  # 2: refusals carry an ErrorCode
+PROTOCOL_VERSION = 3  # 2: refusals carry an ErrorCode; 3: push (LayersReady, PushTarget, not_ready)
 MAX_MESSAGE_BYTES = 4 << 20  # side-channel frames; a handshake response is a few KiB
 MAX_READ_PIECES = 1 << 20  # descriptors in one data-plane read request
 
@@ -29,6 +29,7 @@ class ErrorCode(str, enum.Enum):
     beside each code is for people, and no control flow reads it."""
 
     NOT_HELD = "not_held"  # the producer holds no such request (yet, or any more)
+    NOT_READY = "not_ready"  # push: a read of layers the producer has not saved yet
     OUT_OF_BOUNDS = "out_of_bounds"  # a piece outside the registered regions or the request's blocks
     EXPIRED = "expired"  # the hold's lease or abort limit passed
     AUTH = "auth"  # no valid shared-secret proof or handshake token
@@ -173,8 +174,6 @@ class ErrorReply(Message, tag="error", frozen=True):
     message: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
-SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | DoneNotice | LeaseRenew | \
-    Abandon | Ack | ErrorReply
 
 
 # ------------------------------------------------------------------ data plane (socket framing)
@@ -212,8 +211,6 @@ class DataHello(Message, tag="data_hello", frozen=True):
 DataPlaneMessage = ReadRequest | ReadReply | DataHello | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
-_side_decoder = msgspec.msgpack.Decoder(SideChannelMessage)
-_data_decoder = msgspec.msgpack.Decoder(DataPlaneMessage)
 
 
 def encode(msg: Message) -> bytes:
@@ -234,12 +231,12 @@ def _decode(frame: bytes | bytearray | memoryview, decoder: msgspec.msgpack.Deco
 
 def decode_side(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
     """Decode one side-channel frame (size-checked, typed, version-checked)."""
-    return _decode(frame, _side_decoder, limit)
+    return _decode(frame, _side, limit)
 
 
 def decode_data(frame: bytes | bytearray | memoryview, limit: int = MAX_MESSAGE_BYTES) -> Message:
     """Decode one data-plane control frame."""
-    return _decode(frame, _data_decoder, limit)
+    return _decode(frame, _data, limit)
 
 
 def compat_hash(model: str, num_layers: int, num_kv_heads: int, head_size: int, dtype: str, mla: bool) -> str:
@@ -284,14 +281,76 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             raise ProtocolError(f"undecodable KVTransferParams: {e}") from None
 
 
-def merge_params(parts: list[KVTransferParams]) -> KVTransferParams:
-    """One instance-level params from the per-rank params its workers returned."""
+_Merged = TypeVar("_Merged", "KVTransferParams", "PushTarget")
+
+
+def _merge(parts: list[_Merged], same: tuple[str, ...]) -> _Merged:
+    """Per-rank params (or targets) as one: every field in ``same`` agrees, ``ranks`` united."""
     if not parts:
-        raise ValueError("merge_params: no params")
+        raise ValueError("merge: nothing to merge")
     first = parts[0]
     for p in parts[1:]:
-        for f in ("request_id", "engine_id", "num_tokens", "block_ids", "block_size", "layout"):
+        for f in same:
             if getattr(p, f) != getattr(first, f):
-                raise ValueError(f"merge_params: ranks disagree on {f}: {getattr(first, f)!r} vs {getattr(p, f)!r}")
+                raise ValueError(f"merge: ranks disagree on {f}: {getattr(first, f)!r} vs {getattr(p, f)!r}")
     ranks = sorted({r.rank: r for p in parts for r in p.ranks}.values(), key=lambda r: r.rank)
     return msgspec.structs.replace(first, ranks=ranks)
+
+
+def merge_params(parts: list[KVTransferParams]) -> KVTransferParams:
+    """One instance-level params from the per-rank params its workers returned."""
+    return _merge(parts, ("request_id", "engine_id", "num_tokens", "block_ids", "block_size", "layout"))
+
+
+# ------------------------------------------------------------------ push mode
+
+class PushTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the decode instance returns from ``reserve`` and the router hands to prefill (push
+    mode): where the decode ranks listen and what they reserved. The prefill side tells those
+    ranks, layer by layer, what it has saved; they read it into the reserved blocks."""
+
+    request_id: Id  # the decode side's id of the reservation
+    engine_id: Id
+    num_tokens: int
+    num_cached_tokens: int  # tokens the decode side already has (a prefix hit): not sent
+    layout: ParallelLayout
+    ranks: list[RemoteRank]
+    lease_s: float  # how long the decode side keeps the reservation (timeouts.reservation_s)
+
+    def to_bytes(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PushTarget:
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"push target of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"undecodable PushTarget: {e}") from None
+
+
+def merge_targets(parts: list[PushTarget]) -> PushTarget:
+    """One instance-level push target from the per-rank targets its workers returned."""
+    return _merge(parts, ("request_id", "engine_id", "num_tokens", "num_cached_tokens", "layout"))
+
+
+class LayersReady(Message, tag="layers", frozen=True):
+    """Producer rank -> consumer rank (push): these layers of the request are saved; read them.
+
+    ``layers`` lists every layer the producer rank has saved so far (global ids), so notices
+    are idempotent and a late one repeats what an earlier one said."""
+
+    request_id: Id  # the consumer's reservation
+    generation: int  # the consumer rank's registration
+    source: KVTransferParams  # the producer rank's params (``ranks``: that rank alone)
+    layers: Annotated[list[int], msgspec.Meta(max_length=65536)]
+    token: bytes = b""
+
+
+SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | DoneNotice | LeaseRenew | \
+    Abandon | Ack | ErrorReply | LayersReady
+
+# built here, after every message type (LayersReady needs KVTransferParams); used by decode_side/decode_data
+_side = msgspec.msgpack.Decoder(SideChannelMessage)
+_data = msgspec.msgpack.Decoder(DataPlaneMessage)

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,10 +42,14 @@ from kvxfer.agent.messages import (
     GetStats,
     Held,
     Hold,
+    Push,
     Ready,
     Refused,
     Release,
     Reply,
+    Reserve,
+    Reserved,
+    SaveLayer,
     Start,
     StartLoad,
     Stats,
@@ -56,7 +61,7 @@ from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import check_cache, check_rank
 from kvxfer.metrics import ConnectorMetrics
-from kvxfer.protocol import ErrorCode, KVTransferParams
+from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading
@@ -66,6 +71,7 @@ logger = logging.getLogger(__name__)
 AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
 COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
 AGENT_GRACE_S = 5.0  # past a load's deadline (transfer_s) the agent itself fails it; this much later, we do
+MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
 
 
 @dataclass
@@ -134,7 +140,11 @@ class AgentConnector:
         self._lock = threading.Lock()  # the loads, the holds, the pending failures, _dead
         self._loads: dict[str, _Load] = {}
         self._held: set[str] = set()  # holds the agent keeps: freed (reported sending) if it dies
+        self._streaming: dict[str, np.ndarray] = {}  # streaming holds' block ids (device staging per save)
         self._failed = Finished()  # failures found here (agent dead), reported at the next poll
+        self._carry = Finished()  # events wait_layer read, reported at the next poll
+        self._landed: dict[str, set[int]] = {}  # push loads in flight: layers landed so far
+        self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not
         self._broken: str | None = None  # the agent's own reason, from its events
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
@@ -286,10 +296,17 @@ class AgentConnector:
             loads, self._loads = self._loads, {}
             for rid, load in loads.items():
                 self._fail_locked(rid, load.block_ids, why)
+                self._outcome_locked(rid, False)
             self._failed.sending.extend(sorted(self._held))
             self._held.clear()
         if not self._closed:
             logger.error("rank %d: %s; every load on this rank fails from now on", self.rank, why)
+
+    def _outcome_locked(self, rid: str, ok: bool) -> None:
+        self._landed.pop(rid, None)
+        self._outcomes[rid] = ok
+        while len(self._outcomes) > MAX_OUTCOMES:
+            self._outcomes.popitem(last=False)
 
     def _fail_locked(self, rid: str, block_ids: np.ndarray, why: str) -> None:
         self._failed.failed[rid] = block_ids.tolist()
@@ -297,8 +314,10 @@ class AgentConnector:
         self._failed.codes[rid] = ErrorCode.PLANE_BROKEN
 
     # ------------------------------------------------------------------ producer
-    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> KVTransferParams:
-        """Pin a finished prompt's blocks for the decode side; returns what it needs to read them."""
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+             streaming: bool = False) -> KVTransferParams:
+        """Pin a prompt's blocks for the decode side; returns what it needs to read them
+        (``streaming``: push mode, each layer readable once saved)."""
         if self.cache is None:
             raise RuntimeError("hold: register_kv_caches first")
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -308,16 +327,31 @@ class AgentConnector:
         if self.device_cache is not None:  # the blocks must be on the host before anyone reads them
             if ids[:need].min() < 0 or ids[:need].max() >= self.cache.num_blocks:
                 raise ValueError(f"request {request_id}: block ids must be in [0, {self.cache.num_blocks})")
-            copy_blocks(self.device_cache, self.cache, ids[:need])
-        reply = self._checked(self._call(Hold(request_id, ids.tolist(), num_tokens)))
+            if not streaming:
+                copy_blocks(self.device_cache, self.cache, ids[:need])
+        reply = self._checked(self._call(Hold(request_id, ids.tolist(), num_tokens, streaming)))
         if not isinstance(reply, Held):
             raise RuntimeError(f"rank {self.rank}: transfer agent answered Hold with {type(reply).__name__}")
         with self._lock:
             if self._dead is None:
                 self._held.add(request_id)
+                if streaming:
+                    self._streaming[request_id] = ids[:need]
             else:  # died since: the hold is gone with it
                 self._failed.sending.append(request_id)
         return reply.params
+
+    def save_layer(self, request_id: str, layer: int) -> None:
+        """Push mode: the forward pass wrote ``layer`` of a streaming hold; its targets read it now."""
+        if self.device_cache is not None and self.cache is not None:
+            ids = self._streaming.get(request_id)
+            if ids is not None:
+                copy_blocks(self.device_cache, self.cache, ids)
+        self._checked(self._call(SaveLayer(request_id, layer)))
+
+    def push(self, request_id: str, target: PushTarget) -> None:
+        """Push mode: read by ``target`` (a decode side's reservation): saved layers now, the rest as saved."""
+        self._checked(self._call(Push(request_id, target)))
 
     def release(self, request_id: str) -> bool:
         """The engine frees a hold itself (e.g. the request was cancelled)."""
@@ -357,11 +391,58 @@ class AgentConnector:
                 if load is not None:  # the agent died around the command: fails at the next poll
                     self._fail_locked(request_id, load.block_ids, self._dead)
 
+    def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                num_cached_tokens: int = 0) -> PushTarget:
+        """Push mode: reserve blocks a prefill instance pushes a prompt into (see Connector.reserve)."""
+        if self.config.role not in ("decode", "both"):
+            raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
+        ids = np.asarray(local_block_ids, dtype=np.int64)
+        need = -(-num_tokens // self.config.cache.block_size)
+        t = self.config.connector.timeouts
+        with self._lock:
+            if request_id in self._loads:
+                raise AlreadyLoading(f"request {request_id} is already loading")
+            if self._dead is not None:
+                raise RuntimeError(f"rank {self.rank}: cannot reserve: {self._dead}")
+            self._loads[request_id] = _Load(ids[:need], self.clock() + t.reservation_s)
+            self._landed[request_id] = set()
+            self._outcomes.pop(request_id, None)
+        try:
+            reply = self._checked(self._call(Reserve(request_id, ids.tolist(), num_tokens, num_cached_tokens)))
+        except BaseException:
+            with self._lock:
+                load = self._loads.pop(request_id, None)
+                self._landed.pop(request_id, None)
+                if self._dead is not None and load is not None:  # died around it: fails at the next poll
+                    self._fail_locked(request_id, load.block_ids, self._dead)
+            raise
+        if not isinstance(reply, Reserved):
+            raise RuntimeError(f"rank {self.rank}: transfer agent answered Reserve with {type(reply).__name__}")
+        return reply.target
+
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float) -> bool:
+        """Push mode: True once ``layer`` has landed (or the load has); False on failure, an
+        unknown request, or ``timeout_s``. Events read meanwhile are reported by the next ``poll``."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while True:
+            with self._lock:
+                landed = self._landed.get(request_id)
+                if landed is None:
+                    return self._outcomes.get(request_id, False)
+                if layer in landed:
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._read_events(min(remaining, 0.05), self._carry)
+
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request is queued here: renew its producer holds until it is loaded or abandoned."""
         self._consumer_command(Wait(request_id, params))
 
-    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
+    def abandon(self, request_id: str, params: KVTransferParams | None, reason: str = "dropped") -> None:
         """The request will not be loaded: the producers free its blocks at once."""
         self._consumer_command(AbandonLoad(request_id, params, reason))
 
@@ -377,6 +458,18 @@ class AgentConnector:
 
         Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event."""
         out = Finished()
+        with self._lock:
+            carried, self._carry = self._carry, Finished()
+        out.extend(carried)
+        self._read_events(0.0 if carried else timeout_s, out)
+        with self._lock:
+            if self._failed:
+                out.extend(self._failed)
+                self._failed = Finished()
+        return out
+
+    def _read_events(self, timeout_s: float, out: Finished) -> None:
+        """Every event the agent has sent (waiting up to ``timeout_s`` for the first) into ``out``."""
         with self._poll_lock:
             events = self._events
             if events is not None and self._dead is None:
@@ -388,11 +481,6 @@ class AgentConnector:
                 except ChannelClosed as e:
                     self._agent_died(f"exited ({e})")
                 self._check_deadlines()
-        with self._lock:
-            if self._failed:
-                out.extend(self._failed)
-                self._failed = Finished()
-        return out
 
     def _take(self, ev: Event, out: Finished) -> None:
         """One event into ``out``: only loads still recorded here (one the agent's death already
@@ -402,7 +490,17 @@ class AgentConnector:
             done = [(rid, self._loads.pop(rid)) for rid in ev.receiving if rid in self._loads]
             failed = [rid for rid in ev.failed if self._loads.pop(rid, None) is not None]
             self._held.difference_update(ev.sending)
+            for rid in ev.sending:
+                self._streaming.pop(rid, None)
             self._broken = ev.broken
+            for rid, layers in ev.layers.items():
+                if rid in self._landed:
+                    self._landed[rid].update(layers)
+                    out.layers.setdefault(rid, []).extend(layers)
+            for rid, _ in done:
+                self._outcome_locked(rid, True)
+            for rid in failed:
+                self._outcome_locked(rid, False)
         for rid, load in done:
             if self.device_cache is not None and self.cache is not None:
                 try:

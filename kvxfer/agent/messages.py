@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvxfer.protocol import ErrorCode, KVTransferParams
+from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
 
 
 class SharedTensor(msgspec.Struct, frozen=True):
@@ -34,6 +34,24 @@ class Hold(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    streaming: bool = False
+
+
+class SaveLayer(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    layer: int
+
+
+class Push(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    target: PushTarget
+
+
+class Reserve(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    local_block_ids: list[int]
+    num_tokens: int
+    num_cached_tokens: int
 
 
 class Release(msgspec.Struct, frozen=True, tag=True):
@@ -54,7 +72,7 @@ class Wait(msgspec.Struct, frozen=True, tag=True):
 
 class AbandonLoad(msgspec.Struct, frozen=True, tag=True):
     request_id: str
-    params: KVTransferParams
+    params: KVTransferParams | None
     reason: str
 
 
@@ -66,7 +84,7 @@ class Close(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-Command = Start | Hold | Release | StartLoad | Wait | AbandonLoad | GetStats | Close
+Command = Start | Hold | SaveLayer | Push | Release | StartLoad | Reserve | Wait | AbandonLoad | GetStats | Close
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True):
@@ -83,6 +101,10 @@ class Done(msgspec.Struct, frozen=True, tag=True):
 
 class Held(msgspec.Struct, frozen=True, tag=True):
     params: KVTransferParams
+
+
+class Reserved(msgspec.Struct, frozen=True, tag=True):
+    target: PushTarget
 
 
 class HistogramState(msgspec.Struct, frozen=True):
@@ -106,7 +128,7 @@ class Refused(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-Reply = Ready | Done | Held | Stats | Refused
+Reply = Ready | Done | Held | Reserved | Stats | Refused
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True):
@@ -120,6 +142,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     codes: dict[str, ErrorCode]
     broken: str | None  # why the agent's rank cannot load any more, or None
     sent_at: float  # time.monotonic() in the agent (CLOCK_MONOTONIC: comparable across processes)
+    layers: dict[str, list[int]] = {}  # push: layers of a request newly landed
 
 
 Event = Finished

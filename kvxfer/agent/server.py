@@ -32,10 +32,14 @@ from kvxfer.agent.messages import (
     Held,
     HistogramState,
     Hold,
+    Push,
     Ready,
     Refused,
     Release,
     Reply,
+    Reserve,
+    Reserved,
+    SaveLayer,
     Start,
     StartLoad,
     Stats,
@@ -142,7 +146,16 @@ class Agent:
         assert conn is not None
         try:
             if isinstance(cmd, Hold):
-                return Held(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens))
+                return Held(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens, cmd.streaming))
+            if isinstance(cmd, SaveLayer):
+                conn.save_layer(cmd.request_id, cmd.layer)
+                return Done()
+            if isinstance(cmd, Push):
+                conn.push(cmd.request_id, cmd.target)
+                return Done()
+            if isinstance(cmd, Reserve):
+                return Reserved(target=conn.reserve(cmd.request_id, cmd.local_block_ids, cmd.num_tokens,
+                                                    cmd.num_cached_tokens))
             if isinstance(cmd, StartLoad):
                 conn.start_load(cmd.request_id, cmd.params, cmd.local_block_ids, cmd.num_cached_tokens)
                 return Done()
@@ -180,7 +193,7 @@ class Agent:
                     self._broken = broken
                     self.events.send(Event(sending=pending.sending, receiving=pending.receiving,
                                            failed=pending.failed, errors=pending.errors, codes=pending.codes,
-                                           broken=broken, sent_at=time.monotonic()))
+                                           broken=broken, sent_at=time.monotonic(), layers=pending.layers))
                     pending = Finished()
                 if conn.consumer is None:
                     self._stop.wait(EVENT_WAIT_S)

@@ -21,9 +21,10 @@ class Finished:
     failed: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # why each failed request failed, for people
     codes: dict[str, ErrorCode] = field(default_factory=dict)  # why each failed request failed, for code
+    layers: dict[str, list[int]] = field(default_factory=dict)  # push: layers of a request newly landed
 
     def __bool__(self) -> bool:
-        return bool(self.sending or self.receiving or self.failed)
+        return bool(self.sending or self.receiving or self.failed or self.layers)
 
     def extend(self, other: Finished) -> None:
         self.sending.extend(other.sending)
@@ -32,6 +33,8 @@ class Finished:
             self.failed.setdefault(rid, []).extend(ids)
         self.errors.update(other.errors)
         self.codes.update(other.codes)
+        for rid, layers in other.layers.items():
+            self.layers.setdefault(rid, []).extend(layers)
 
 
 class FinishedAggregator:

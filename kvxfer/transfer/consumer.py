@@ -5,6 +5,11 @@ remote engine, rank and registration generation), planning, issuing reads, finis
 staged repacks, and the done or abandon notices. The engine only calls ``start_load`` and
 ``poll``. Every load has a deadline; a load that fails for any reason (peer gone,
 refused read, timeout, incompatible peer) reports its local block ids as invalid.
+
+Push mode uses the same loads: ``reserve`` makes one with no params yet, and each
+``LayersReady`` from a producer rank (through the side channel) issues reads for the layers it
+says are saved. The reads are this side's, checked against the live reservation, so a push
+can never write into blocks this rank has released.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import math
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvxfer.cache.tensors import KVCache, MemoryRegion
@@ -31,7 +38,9 @@ from kvxfer.protocol import (
     ErrorReply,
     HandshakeResponse,
     KVTransferParams,
+    LayersReady,
     LeaseRenew,
+    Refusal,
     RemoteRank,
     compat_hash,
 )
@@ -56,6 +65,7 @@ READ_AGAIN_AFTER_S = 0.02  # a read refused as "not held" is sent again this soo
 BROKEN_AFTER_POLL_ERRORS = 20  # the plane's poll raising on this many turns in a row (about a second): broken
 MAX_RENEW_IDS = 4096  # request ids in one LeaseRenew (the protocol's limit)
 JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, retries)
+MAX_OUTCOMES = 4096  # finished requests whose outcome wait_layer still answers
 
 
 class AlreadyLoading(ValueError):
@@ -96,6 +106,37 @@ class Batch:
     descs: Descriptors
     batch_id: int | None = None
     read_again_at: float | None = None
+    rank: int = -1  # push: the producer rank, and which rows of its plan this read carries
+    rows: np.ndarray | None = None
+
+
+@dataclass(eq=False)
+class RankPush:
+    """What one producer rank pushes into a reservation: its whole plan, made at its first
+    notice, and which rows of it were issued and have landed. Worker thread only."""
+
+    peer: Peer
+    descs: Descriptors
+    first: np.ndarray  # per row: the first global layer of its remote region
+    stop: np.ndarray  # per row: one past its last layer
+    issued: np.ndarray
+    landed: np.ndarray
+
+
+@dataclass(eq=False)
+class PushState:
+    """A reservation's push progress (``Load.push``). ``landed`` is read by ``wait_layer``
+    under the consumer's lock; the rest belongs to the worker thread."""
+
+    num_tokens: int
+    reserved_until: float
+    needed: dict[int, list[SourceSlice]] | None = None  # producer rank -> slices, at the first notice
+    ranks: dict[int, RankPush] = field(default_factory=dict)
+    landed: set[int] = field(default_factory=set)  # layers whose every byte is here
+
+    def all_issued(self) -> bool:
+        return self.needed is not None and all(
+            rr in self.ranks and bool(self.ranks[rr].issued.all()) for rr in self.needed)
 
 
 @dataclass(eq=False)
@@ -104,7 +145,7 @@ class Load:
     fields belong to the worker thread."""
 
     request_id: str
-    params: KVTransferParams
+    params: KVTransferParams | None  # push: None until the first producer rank says what it saved
     local_blocks_full: np.ndarray  # one id per local block of the prompt, prefix hits included
     skip_tokens: int
     deadline: float
@@ -121,6 +162,14 @@ class Load:
     began_at: float = 0.0
     issued_at: float = 0.0
     read_at: float = 0.0
+    push: PushState | None = None  # a push reservation (None: a pull load)
+
+    @property
+    def source(self) -> KVTransferParams:
+        """The producer's params (a push load has them from its first notice on)."""
+        if self.params is None:
+            raise LoadFailed(f"request {self.request_id}: nothing pushed yet", ErrorCode.INTERNAL)
+        return self.params
 
     @property
     def invalid_blocks(self) -> list[int]:
@@ -141,6 +190,18 @@ class _AbandonRequest:
     reason: str
 
 
+@dataclass
+class _LayersReady:
+    load: Load
+    msg: LayersReady
+
+
+@dataclass
+class _EndReservation:
+    load: Load
+    reason: str
+
+
 class _RenewNow:
     """A request started waiting: renew its holds now (the lease may be short and half spent)."""
 
@@ -153,7 +214,7 @@ class _Stop:
     pass
 
 
-Job = _BeginLoad | _AbandonRequest | _RenewNow | _Wake | _Stop
+Job = _BeginLoad | _AbandonRequest | _LayersReady | _EndReservation | _RenewNow | _Wake | _Stop
 
 
 @dataclass
@@ -168,12 +229,14 @@ class Consumer:
     """Loads requests into this rank's cache: thread-safe entry points, one worker thread.
 
     Threads and what each owns:
-    - the engine's thread calls ``start_load``, ``wait``, ``abandon``, ``poll`` and ``close``;
+    - the engine's thread calls ``start_load``, ``reserve``, ``wait``, ``wait_layer``,
+      ``abandon``, ``poll`` and ``close``; the side-channel thread calls ``layers_ready``;
     - the worker thread (``_run``) owns ``_peers``, ``_in_flight``, ``_read_again``, every
       ``Load``'s mutable fields and every ``Batch``; it alone calls the data plane (but for
       the completion callback, which only queues a ``_Wake``);
     - the notifier thread (``_notify_loop``) sends ``_Notice``s; it owns nothing else.
-    ``_loads``, ``_waiting``, ``_done`` and ``_broken`` are shared: read and written under ``_lock``.
+    ``_loads``, ``_waiting``, ``_done``, ``_outcomes``, ``_broken`` and every push load's
+    ``landed`` are shared: read and written under ``_lock`` (``_layer_cv`` is its condition).
 
     Supervision: an exception in one step of the worker fails only the loads it touched
     (reported with their block ids and the exception named) and the worker goes on. A plane
@@ -186,7 +249,8 @@ class Consumer:
                  model: str, transfer_s: float, lease_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  on_loaded: Callable[[list[int]], None] | None = None,
-                 metrics: ConnectorMetrics | None = None, hold_wait_s: float = 1.0) -> None:
+                 metrics: ConnectorMetrics | None = None, hold_wait_s: float = 1.0,
+                 reservation_s: float = 60.0) -> None:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
@@ -203,6 +267,7 @@ class Consumer:
         # asynchronously: vLLM makes the prefill side's hold one engine step after the request
         # finished, and the decode side, told by that same response, can ask first.
         self.hold_wait_s = hold_wait_s
+        self.reservation_s = reservation_s
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
@@ -220,6 +285,8 @@ class Consumer:
         self._jobs: queue.Queue[Job] = queue.Queue()
         self._notices: queue.Queue[_Notice | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._layer_cv = threading.Condition(self._lock)  # push: a layer landed, or a load finished
+        self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not (wait_layer)
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
         plane.set_completion_callback(lambda: self._jobs.put(_Wake()))
@@ -260,17 +327,95 @@ class Consumer:
         self._jobs.put(_BeginLoad(load))
         self._check_worker()  # a stopped worker would never begin it: fail it now
 
+    def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+                num_cached_tokens: int = 0) -> None:
+        """Push mode: blocks reserved for a prompt a producer will push (checked, raising with
+        no state change); loads as the producer's notices come, until ``reservation_s``."""
+        ids = np.asarray(local_block_ids, dtype=np.int64)
+        L = self.cache.spec.block_size
+        if num_tokens < 1:
+            raise ValueError(f"request {request_id}: num_tokens must be >= 1, got {num_tokens}")
+        need = math.ceil(num_tokens / L)
+        if ids.ndim != 1 or len(ids) < need:
+            raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} local blocks of {L}, "
+                             f"got {len(ids)}")
+        if ids[:need].min() < 0 or ids[:need].max() >= self.cache.num_blocks:
+            raise ValueError(f"request {request_id}: local block ids must be in [0, {self.cache.num_blocks})")
+        if len(np.unique(ids[:need])) != need:
+            raise ValueError(f"request {request_id}: local block ids repeat")
+        if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % L:
+            raise ValueError(f"request {request_id}: num_cached_tokens must be a multiple of {L} in "
+                             f"[0, {num_tokens})")
+        now = self.clock()
+        with self._lock:
+            if request_id in self._loads:
+                raise AlreadyLoading(f"request {request_id} is already loading")
+            if self._broken is not None:
+                raise RuntimeError(f"cannot reserve: {self._broken}")
+            self._waiting.pop(request_id, None)
+            self._outcomes.pop(request_id, None)
+            load = Load(request_id, None, ids[:need], num_cached_tokens, now + self.reservation_s, local_block_size=L,
+                        push=PushState(num_tokens, now + self.reservation_s))
+            load.began_at = time.monotonic()
+            self._loads[request_id] = load
+            self.stats.load_started()
+
+    def layers_ready(self, msg: LayersReady) -> Refusal | None:
+        """Side-channel thread: a producer rank saved layers of a reserved request. Refused when
+        the reservation is gone (released, expired, finished, never made) or the notice does not
+        fit it; otherwise the worker reads those layers."""
+        with self._lock:
+            load = self._loads.get(msg.request_id)
+        if load is None or load.push is None:
+            return Refusal(ErrorCode.UNKNOWN_REQUEST, f"no reservation {msg.request_id} on rank {self.rank} "
+                           "(never made, finished, released or expired)")
+        if load.deadline <= self.clock():
+            return Refusal(ErrorCode.EXPIRED, f"reservation {msg.request_id} expired")
+        src = msg.source
+        if len(src.ranks) != 1:
+            return Refusal(ErrorCode.BAD_PARAMS, f"a push notice names one producer rank, got {len(src.ranks)}")
+        if src.num_tokens != load.push.num_tokens:
+            return Refusal(ErrorCode.BAD_PARAMS, f"reservation {msg.request_id} is for {load.push.num_tokens} "
+                           f"tokens, the push carries {src.num_tokens}")
+        if any(not 0 <= layer < self.layout.num_layers for layer in msg.layers):
+            return Refusal(ErrorCode.BAD_PARAMS, f"layers outside 0..{self.layout.num_layers - 1}")
+        self._jobs.put(_LayersReady(load, msg))
+        return None
+
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float) -> bool:
+        """Push mode: True once ``layer`` of the request has landed (or the whole load has);
+        False if it failed, is unknown, or ``timeout_s`` passed first."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        with self._layer_cv:
+            while True:
+                load = self._loads.get(request_id)
+                if load is None:
+                    return self._outcomes.get(request_id, False)
+                if load.push is not None and layer in load.push.landed:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._layer_cv.wait(remaining)
+
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request waits in the decode queue: keep its producer holds alive until loaded."""
         with self._lock:
             self._waiting[request_id] = params
         self._jobs.put(_RenewNow())
 
-    def abandon(self, request_id: str, params: KVTransferParams, reason: str = "dropped") -> None:
-        """The request will not be loaded: tell the producers to free it now."""
+    def abandon(self, request_id: str, params: KVTransferParams | None, reason: str = "dropped") -> None:
+        """The request will not be loaded: tell the producers to free it now. A push reservation
+        ends (reported failed, its blocks invalid); its producers' next notices are refused."""
         with self._lock:
             self._waiting.pop(request_id, None)
-        self._jobs.put(_AbandonRequest(request_id, params, reason))  # the worker knows the peers' tokens
+            load = self._loads.get(request_id)
+        if load is not None and load.push is not None:
+            self._jobs.put(_EndReservation(load, reason))
+        elif params is not None:
+            self._jobs.put(_AbandonRequest(request_id, params, reason))  # the worker knows the peers' tokens
 
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """What finished since the last call; with a timeout, wait (GIL released) for something."""
@@ -332,6 +477,11 @@ class Consumer:
             self._begin(job.load)
         elif isinstance(job, _AbandonRequest):
             self._send_abandon(job.params, job.reason)
+        elif isinstance(job, _LayersReady):
+            self._guarded(job.load, self._on_layers_ready, job.msg)
+        elif isinstance(job, _EndReservation):
+            if self._live(job.load):
+                self._fail(job.load, ErrorCode.CANCELLED, f"reservation ended by the engine: {job.reason}")
         elif isinstance(job, _RenewNow):
             next_renew = self.clock()
         self._poll_plane()
@@ -456,54 +606,160 @@ class Consumer:
         if self._broken is not None:
             self._fail(load, ErrorCode.PLANE_BROKEN, f"cannot load: {self._broken}")
             return
+        if self._guarded(load, self._plan_and_issue) and not load.batches:
+            self._complete(load)
+
+    def _live(self, load: Load) -> bool:
+        with self._lock:
+            return self._loads.get(load.request_id) is load
+
+    def _guarded(self, load: Load, step: Callable[..., None], *args: object) -> bool:
+        """Run one step of a load; an exception fails the load (with its code) and returns False.
+        Handshake, plan, or the plane's connect/register/read may raise."""
         try:
-            self._plan_and_issue(load)
-        except Exception as e:  # handshake, plan, or the plane's connect/register/read: this load fails
+            step(load, *args)
+        except Exception as e:
             if isinstance(e, HandshakeError | LoadFailed):
                 self._fail(load, e.code, str(e))
             elif isinstance(e, ValueError):  # the planner's refusals: shapes that do not map
                 self._fail(load, ErrorCode.INCOMPATIBLE, str(e))
             else:
-                report("consumer worker: begin load", e, f"request {load.request_id}")
+                report(f"consumer worker: {step.__name__}", e, f"request {load.request_id}")
                 self._fail(load, code_of(e), describe(e))
-            return
-        if not load.batches:
-            self._complete(load)
+            return False
+        return True
 
     def _plan_and_issue(self, load: Load) -> None:
-        params = load.params
-        slices = remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout)
-        by_rank: dict[int, list[SourceSlice]] = {}
-        for s in slices:
-            by_rank.setdefault(s.remote_rank, []).append(s)
+        params = load.source
         ranks = {r.rank: r for r in params.ranks}
-        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
-        for rr, sls in by_rank.items():
+        for rr, sls in self._slices_by_rank(params).items():
             if rr not in ranks:
                 raise LoadFailed(f"params name no address for producer rank {rr}")
             peer = self._peer(params.engine_id, ranks[rr], params)
             load.peers[rr] = peer
-            parts: list[Descriptors] = []
-            for s in sls:
-                if peer.side.layout == self.local_side.layout and not (
-                        peer.side.head_factor == 2 and peer.side.block_size != self.local_side.block_size):
-                    parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
-                                             load.skip_tokens, params.num_tokens))
-                else:
-                    rid = next(self._staging_ids)
-                    d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
-                    st = plan.staging
-                    self.plane.register([MemoryRegion(region_id=rid, address=st.data_ptr(), length=st.numel(),
-                                                      block_stride=st.numel(), num_blocks=1,
-                                                      layers=(0, 0), kind="KV")])
-                    load.staged.append((plan, peer))
-                    parts.append(d)
-            descs = concat(parts)
-            self.stats.planned(len(descs))
-            load.nbytes += descs.nbytes
-            batch = Batch(load, peer.peer_id, descs)
+            batch = Batch(load, peer.peer_id, self._plan_rank(load, peer, sls))
             load.batches.append(batch)
             self._issue(batch)
+
+    def _slices_by_rank(self, params: KVTransferParams) -> dict[int, list[SourceSlice]]:
+        by_rank: dict[int, list[SourceSlice]] = {}
+        for s in remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout):
+            by_rank.setdefault(s.remote_rank, []).append(s)
+        return by_rank
+
+    def _plan_rank(self, load: Load, peer: Peer, sls: list[SourceSlice]) -> Descriptors:
+        """Every read of a load from one producer rank (staging areas registered as needed)."""
+        params = load.source
+        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
+        parts: list[Descriptors] = []
+        for s in sls:
+            if peer.side.layout == self.local_side.layout and not (
+                    peer.side.head_factor == 2 and peer.side.block_size != self.local_side.block_size):
+                parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
+                                         load.skip_tokens, params.num_tokens))
+            else:
+                rid = next(self._staging_ids)
+                d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
+                st = plan.staging
+                self.plane.register([MemoryRegion(region_id=rid, address=st.data_ptr(), length=st.numel(),
+                                                  block_stride=st.numel(), num_blocks=1,
+                                                  layers=(0, 0), kind="KV")])
+                load.staged.append((plan, peer))
+                parts.append(d)
+        descs = concat(parts)
+        self.stats.planned(len(descs))
+        load.nbytes += descs.nbytes
+        return descs
+
+    # ------------------------------------------------------------------ push
+    def _on_layers_ready(self, load: Load, msg: LayersReady) -> None:
+        """A producer rank saved layers: read whatever of them this rank needs and has not read."""
+        if not self._live(load):
+            return  # finished or failed meanwhile
+        ps = load.push
+        assert ps is not None
+        src, rr = msg.source, msg.source.ranks[0]
+        if load.params is None:
+            check_compatible(self.layout, src.layout)
+            check_alignment(load.skip_tokens, src.block_size, self.cache.spec.block_size)
+            if len(src.block_ids) < math.ceil(src.num_tokens / src.block_size):
+                raise LoadFailed(f"request {load.request_id}: the push carries {len(src.block_ids)} blocks for "
+                                 f"{src.num_tokens} tokens of {src.block_size}")
+            load.params = msgspec.structs.replace(src, ranks=[rr])
+            ps.needed = self._slices_by_rank(src)
+        else:
+            p = load.params
+            for f in ("request_id", "engine_id", "block_ids", "block_size", "layout"):
+                if getattr(src, f) != getattr(p, f):
+                    raise LoadFailed(f"request {load.request_id}: producer rank {rr.rank} pushes another {f} than "
+                                     f"rank {p.ranks[0].rank}")
+            known = {r.rank: r for r in p.ranks}
+            if rr.rank not in known:
+                load.params = msgspec.structs.replace(p, ranks=[*p.ranks, rr])
+            elif known[rr.rank] != rr:
+                raise LoadFailed(f"request {load.request_id}: producer rank {rr.rank} changed its address or "
+                                 "generation mid-push", ErrorCode.STALE_GENERATION)
+        assert ps.needed is not None
+        if rr.rank not in ps.needed:
+            return  # this rank reads nothing of that producer rank
+        load.deadline = min(ps.reserved_until, self.clock() + self.transfer_s)
+        rp = ps.ranks.get(rr.rank)
+        if rp is None:
+            peer = self._peer(src.engine_id, rr, load.source)
+            load.peers[rr.rank] = peer
+            descs = self._plan_rank(load, peer, ps.needed[rr.rank])
+            spans = sorted((r.region_id, r.layers[0], r.layers[1]) for r in peer.meta.regions)
+            table = np.array(spans, dtype=np.int64).reshape(-1, 3)
+            pos = np.searchsorted(table[:, 0], descs.remote_region)
+            n = len(descs)
+            rp = RankPush(peer, descs, table[pos, 1], table[pos, 2], np.zeros(n, bool), np.zeros(n, bool))
+            ps.ranks[rr.rank] = rp
+        saved = np.zeros(self.layout.num_layers, dtype=np.int64)
+        saved[np.asarray(msg.layers, dtype=np.int64)] = 1
+        cs = np.concatenate([[0], np.cumsum(saved)])
+        ready = (cs[rp.stop] - cs[rp.first]) == (rp.stop - rp.first)
+        rows = np.flatnonzero(ready & ~rp.issued)
+        if len(rows):
+            d = rp.descs
+            part = Descriptors(*(np.ascontiguousarray(getattr(d, f)[rows]) for f in
+                                 ("remote_region", "remote_offset", "local_region", "local_offset", "length")))
+            rp.issued[rows] = True
+            batch = Batch(load, rp.peer.peer_id, part, rank=rr.rank, rows=rows)
+            load.batches.append(batch)
+            self._issue(batch)
+        elif not load.batches and ps.all_issued():
+            self._complete(load)
+
+    def _landed(self, load: Load, batch: Batch) -> None:
+        """A push read came back: report the layers now whole (not for staged loads, whose
+        layers are usable only once repacked, at the end)."""
+        ps = load.push
+        if ps is None or batch.rows is None or ps.needed is None:
+            return
+        ps.ranks[batch.rank].landed[batch.rows] = True
+        if load.staged:
+            return
+        new = []
+        for layer in self.local_side_layers():
+            if layer in ps.landed:
+                continue
+            for rr, sls in ps.needed.items():
+                if not any(layer in s.layers for s in sls):
+                    continue
+                rp = ps.ranks.get(rr)
+                if rp is None or not rp.landed[(rp.first <= layer) & (rp.stop > layer)].all():
+                    break
+            else:
+                new.append(layer)
+        if new:
+            with self._layer_cv:
+                ps.landed.update(new)
+                self._done.layers.setdefault(load.request_id, []).extend(new)
+                self._ready.set()
+                self._layer_cv.notify_all()
+
+    def local_side_layers(self) -> range:
+        return range(self.local_side.first_layer, self.local_side.first_layer + self.local_side.num_layers)
 
     def _issue(self, batch: Batch) -> None:
         """Hand a read to the data plane (raises what the plane raises; the caller fails the load)."""
@@ -511,7 +767,7 @@ class Consumer:
         batch.read_again_at = None
         if not batch.load.issued_at:
             batch.load.issued_at = time.monotonic()
-        batch.batch_id = self.plane.read(batch.peer_id, batch.load.params.request_id, batch.descs)
+        batch.batch_id = self.plane.read(batch.peer_id, batch.load.source.request_id, batch.descs)
         self._in_flight[batch.batch_id] = batch
 
     def _issue_read_again(self, now: float) -> None:
@@ -547,17 +803,26 @@ class Consumer:
             if load.failure is None:
                 load.failure = (res.code or ErrorCode.INTERNAL, res.error or "read failed")
             self._forget(res.peer_id)  # the next load handshakes again, on a fresh connection
+        elif load.failure is None:
+            self._landed(load, batch)
         if not load.batches:
             if load.failure is not None:
                 self._fail(load, *load.failure)
-            else:
+            elif load.push is None or load.push.all_issued():
                 self._complete(load)
 
     def _check_deadlines(self, now: float) -> None:
         with self._lock:
             late = [ld for ld in self._loads.values() if ld.deadline <= now]
         for load in late:
-            self._fail(load, ErrorCode.TIMEOUT, f"not loaded within {self.transfer_s:g}s", timed_out=True)
+            if load.push is None:
+                why = f"not loaded within {self.transfer_s:g}s"
+            elif load.params is None:
+                why = f"nothing pushed within the reservation's {self.reservation_s:g}s"
+            else:
+                why = (f"push not finished within {self.transfer_s:g}s of the last notice (or the reservation's "
+                       f"{self.reservation_s:g}s)")
+            self._fail(load, ErrorCode.TIMEOUT, why, timed_out=True)
 
     def _drop_batches(self, load: Load) -> None:
         """Forget a load's outstanding reads; the peers of those still in flight are dropped
@@ -582,10 +847,11 @@ class Consumer:
             report("consumer worker: disconnect", e, f"peer {peer_id}")
 
     def _complete(self, load: Load) -> None:
+        params = load.source
         try:
             for plan, peer in load.staged:
                 finish_staged(plan, peer.side, self.cache, load.local_blocks_full, load.skip_tokens,
-                              load.params.num_tokens)
+                              params.num_tokens)
             if self.on_loaded is not None:
                 self.on_loaded(load.invalid_blocks)
         except Exception as e:
@@ -601,8 +867,8 @@ class Consumer:
             if reported:
                 self._done.receiving.append(load.request_id)
                 self._done_at.append(finished)
+                self._outcome(load.request_id, True)
                 self._ready.set()
-        params = load.params
         for rr, peer in load.peers.items():
             self._notices.put(_Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
                                                                               peer.token)))
@@ -626,16 +892,18 @@ class Consumer:
                      (time.monotonic() - load.started) * 1e3)
 
     def _done_notice(self, load: Load, generation: int, token: bytes) -> DoneNotice:
-        return DoneNotice(request_id=load.params.request_id, engine_id=self.engine_id, rank=self.rank,
+        return DoneNotice(request_id=load.source.request_id, engine_id=self.engine_id, rank=self.rank,
                           layout=self.layout, generation=generation, token=token)
 
     def _fail(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
         """Report a load failed with its block ids (worker thread): its reads are stopped first."""
         self._drop_batches(load)
         self._release_staging(load)
-        logger.warning("request %s: load from %s failed (%s): %s", load.request_id, load.params.engine_id,
+        logger.warning("request %s: %s from %s failed (%s): %s", load.request_id,
+                       "load" if load.push is None else "push", load.params.engine_id if load.params else "-",
                        code.value, why)
-        self._send_abandon(load.params, why)
+        if load.params is not None:
+            self._send_abandon(load.params, why)
         self._report_failed(load, code, why, timed_out)
 
     def _report_failed(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
@@ -645,8 +913,16 @@ class Consumer:
             self._done.failed[load.request_id] = load.invalid_blocks
             self._done.errors[load.request_id] = why
             self._done.codes[load.request_id] = code
+            self._outcome(load.request_id, False)
             self._ready.set()
         self.stats.load_finished(time.monotonic() - load.started, error=why, timed_out=timed_out, code=code)
+
+    def _outcome(self, request_id: str, ok: bool) -> None:
+        """Caller holds the lock: remember how a load ended, for ``wait_layer``."""
+        self._outcomes[request_id] = ok
+        while len(self._outcomes) > MAX_OUTCOMES:
+            self._outcomes.popitem(last=False)
+        self._layer_cv.notify_all()
 
     def _release_staging(self, load: Load) -> None:
         if load.staged:

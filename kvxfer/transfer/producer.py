@@ -6,6 +6,11 @@ lease starts at ``lease_s``; renewals (sent while the request waits in the decod
 reads push it out again, but never past ``abort_s`` after the hold began. Once a hold is
 released, reads for it are refused: its blocks may already hold another request's KV.
 
+Push mode: a *streaming* hold starts with no layer saved; ``save_layer`` marks each layer as
+the engine's forward pass writes it, and a read of a region whose layers are not all saved is
+refused (``not_ready``). The hold keeps the push targets (decode reservations) it feeds; the
+:class:`~kvxfer.transfer.pusher.Pusher` tells them what is saved.
+
 Engines make holds asynchronously (vLLM: one engine step after the request finished), so a
 consumer's abandon can arrive before the hold it is for. Such an abandon is remembered for
 ``lease_s`` (bounded): the hold, when it comes, is released at once as "abandoned", not a
@@ -25,7 +30,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from kvxfer.dataplane import Descriptors
-from kvxfer.protocol import ErrorCode, Refusal
+from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget, Refusal
 from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,12 @@ class Hold:
     abort_deadline: float
     expected_readers: int | None = None
     done_from: set[tuple[str, int]] = field(default_factory=set)
+    # push mode: which of this rank's layers are saved (None: all, a pull hold), which regions
+    # may be read (by position in the registry's sorted region ids), and whom to tell
+    saved: np.ndarray | None = None
+    ready: np.ndarray | None = None
+    params: KVTransferParams | None = None  # this rank's params, for the push notices
+    targets: list[PushTarget] = field(default_factory=list)
 
 
 class HoldRegistry:
@@ -55,7 +66,8 @@ class HoldRegistry:
 
     def __init__(self, layout: ParallelLayout, tp_rank: int, pp_rank: int, num_blocks: int,
                  regions: dict[int, tuple[int, int]], lease_s: float, abort_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 region_layers: dict[int, tuple[int, int]] | None = None) -> None:
         self.layout = layout
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -64,6 +76,12 @@ class HoldRegistry:
         self._known = np.array(sorted(regions), dtype=np.int64)
         self._strides = np.array([regions[int(k)][0] for k in self._known], dtype=np.int64)
         self._lengths = np.array([regions[int(k)][1] for k in self._known], dtype=np.int64)
+        # each region's global layers [start, stop), for push mode's per-layer readiness
+        spans = region_layers or {}
+        self._first = np.array([spans.get(int(k), (0, 0))[0] for k in self._known], dtype=np.int64)
+        self._stop = np.array([spans.get(int(k), (0, 0))[1] for k in self._known], dtype=np.int64)
+        self.first_layer = int(self._first.min()) if len(self._first) and spans else 0
+        self.layer_stop = int(self._stop.max()) if len(self._stop) and spans else 0
         self.lease_s = lease_s
         self.abort_s = abort_s
         self.clock = clock
@@ -82,7 +100,9 @@ class HoldRegistry:
         with self._lock:
             return sum(len(h.block_ids) for h in self._holds.values())
 
-    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int) -> Hold:
+    def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,
+             streaming: bool = False) -> Hold:
+        """Pin ``block_ids`` for ``request_id``; ``streaming``: no layer is saved yet (push mode)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise ValueError(f"request {request_id}: block_ids must be a non-empty list")
@@ -95,6 +115,11 @@ class HoldRegistry:
         mask[ids + 1] = 1
         now = self.clock()
         h = Hold(request_id, ids, num_tokens, np.cumsum(mask), now + self.lease_s, now + self.abort_s)
+        if streaming:
+            if self.layer_stop <= self.first_layer:
+                raise ValueError(f"request {request_id}: a streaming hold needs the regions' layers")
+            h.saved = np.zeros(self.layer_stop - self.first_layer, dtype=bool)
+            h.ready = np.zeros(len(self._known), dtype=bool)
         with self._lock:
             if request_id in self._holds:
                 raise ValueError(f"request {request_id} is already held")
@@ -103,6 +128,61 @@ class HoldRegistry:
             if forget_after is not None and forget_after > now:  # its consumer gave up before the hold came
                 self._release(request_id, "abandoned", "abandoned by the consumer before the hold was made")
         return h
+
+    def block_ids_of(self, request_id: str) -> np.ndarray | None:
+        with self._lock:
+            h = self._holds.get(request_id)
+            return None if h is None else h.block_ids
+
+    def num_tokens_of(self, request_id: str) -> int | None:
+        with self._lock:
+            h = self._holds.get(request_id)
+            return None if h is None else h.num_tokens
+
+    def save_layer(self, request_id: str, layer: int) -> bool:
+        """Layer ``layer`` of a streaming hold is written: its regions may be read once every
+        layer they hold is saved. Renews the lease. Returns whether push targets wait for it."""
+        if not self.first_layer <= layer < self.layer_stop:
+            raise ValueError(f"request {request_id}: layer {layer} is not on this rank (layers "
+                             f"{self.first_layer}..{self.layer_stop - 1})")
+        now = self.clock()
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is None:
+                raise ValueError(f"request {request_id} is not held (never held, released, or expired)")
+            if h.saved is None:
+                return False  # a pull hold: every layer counts as saved
+            h.saved[layer - self.first_layer] = True
+            cs = np.concatenate([[0], np.cumsum(h.saved)])
+            a, b = self._first - self.first_layer, self._stop - self.first_layer
+            h.ready = (cs[b] - cs[a]) == (b - a)
+            h.lease_deadline = min(max(h.lease_deadline, now + self.lease_s), h.abort_deadline)
+            return bool(h.targets)
+
+    def attach(self, request_id: str, target: PushTarget, params: KVTransferParams) -> None:
+        """Push this hold's saved layers (now, and as they are saved) to ``target``."""
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is None:
+                raise ValueError(f"request {request_id} is not held (never held, released, or expired)")
+            if any(t.engine_id == target.engine_id and t.request_id == target.request_id for t in h.targets):
+                raise ValueError(f"request {request_id}: already pushed to {target.engine_id} "
+                                 f"request {target.request_id}")
+            h.params = params
+            h.targets.append(target)
+
+    def push_state(self, request_id: str) -> tuple[KVTransferParams, list[PushTarget], list[int]] | None:
+        """What the pusher sends for a request: its params, targets and saved layers; None when
+        it is no longer held (or has no target)."""
+        with self._lock:
+            h = self._holds.get(request_id)
+            if h is None or h.params is None or not h.targets:
+                return None
+            if h.saved is None:
+                layers = list(range(self.first_layer, self.layer_stop))
+            else:
+                layers = (np.flatnonzero(h.saved) + self.first_layer).tolist()
+            return h.params, list(h.targets), layers
 
     def abandon(self, request_id: str, why: str) -> bool:
         """The consumer will not read this request: release its hold now, or, if it is not made
@@ -202,6 +282,10 @@ class HoldRegistry:
                                f"request {request_id} is not held (never held, released, or expired)")
             if min(h.lease_deadline, h.abort_deadline) <= now:
                 return Refusal(ErrorCode.EXPIRED, f"request {request_id}: hold expired")
+            if h.ready is not None and not h.ready[pos].all():
+                i = int(np.flatnonzero(~h.ready[pos])[0])
+                return Refusal(ErrorCode.NOT_READY, f"request {request_id}: region {int(rids[i])} holds layers "
+                               "not saved yet")
             cs = h.held_mask_cumsum
             held = (cs[last + 1] - cs[first]) == (last - first + 1)
             if not held.all():
