@@ -19,7 +19,8 @@ from kvxfer.protocol import PushTarget
 
 def push_consumer_main(cfg_json: bytes, rank: int, rid: str, num_tokens: int, local_blocks: list[int], conn: Any,
                        timeout_s: float = 60.0, num_cached_tokens: int = 0) -> None:
-    """Reserve, send ("target", bytes), then report ("result", status, detail, layers landed in order)."""
+    """Reserve, send ("target", bytes), then report ("result", status, detail, layers landed in order,
+    stats, when the outcome was seen (time.monotonic: comparable across processes))."""
     try:
         cfg, tp_rank, cache, c = _rank(cfg_json, rank)
         for t in cache.tensors:
@@ -31,9 +32,11 @@ def push_consumer_main(cfg_json: bytes, rank: int, rid: str, num_tokens: int, lo
         landed: list[int] = []
         t0 = time.monotonic()
         result: tuple[Any, ...] = ("hung", None)
+        seen_at = 0.0
         while time.monotonic() - t0 < timeout_s:
             f = c.poll(timeout_s=0.01)
             landed += f.layers.get(rid, [])
+            seen_at = time.monotonic()
             if rid in f.receiving:
                 why = check(cache, cfg, tp_rank, local_blocks, num_tokens)
                 result = ("ok" if why is None else "mismatch", why)
@@ -46,7 +49,7 @@ def push_consumer_main(cfg_json: bytes, rank: int, rid: str, num_tokens: int, lo
         time.sleep(0.2)  # the done notices go out before closing
         stats = c.stats()
         c.close()
-        conn.send(("result", *result, landed, stats))
+        conn.send(("result", *result, landed, stats, seen_at))
     except Exception:
         conn.send(("error", traceback.format_exc()))
 

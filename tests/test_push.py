@@ -103,7 +103,7 @@ def test_push_is_bit_exact(case: str, conn: str) -> None:
     with Push(pcfg, dcfg) as push:
         push.push()
         push.pushed()
-        for status, detail, _landed, _stats in push.results():
+        for status, detail, _landed, _stats, _ in push.results():
             assert status == "ok", (status, detail)
         assert push.released(), "every prefill rank frees its blocks once its readers are done"
         assert [push.stats(r)["holds_done"] for r in range(pcfg.world_size)] == [1] * pcfg.world_size
@@ -113,7 +113,7 @@ def test_layers_land_in_order_while_later_ones_are_written(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
     with Push(pcfg, dcfg) as push:
         push.push(delay_s=0.3)  # each layer's "forward pass" takes 0.3 s
-        (status, detail, landed, _), = push.results()
+        (status, detail, landed, _, _), = push.results()
         assert status == "ok", detail
         assert landed == [0, 1, 2, 3], "each layer reported as it landed, in order"
 
@@ -123,7 +123,7 @@ def test_a_late_registration_gets_the_saved_layers_at_once(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn, **pkw), make_cfg("decode", "D", connector=conn, **dkw)
     with Push(pcfg, dcfg) as push:
         push.push(after=3, delay_s=0.2)  # the target arrives after three of four layers were saved
-        (status, detail, landed, _), = push.results()
+        (status, detail, landed, _, _), = push.results()
         assert status == "ok", detail
         assert sorted(landed) == [0, 1, 2, 3] and landed[-1] == 3
 
@@ -132,7 +132,7 @@ def test_a_partial_prefix_hit_is_not_pushed(conn: str) -> None:
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn), make_cfg("decode", "D", connector=conn)
     with Push(pcfg, dcfg, num_cached_tokens=32) as push:
         push.push()
-        (status, detail, _, stats), = push.results()
+        (status, detail, _, stats, _), = push.results()
         assert status == "ok", detail
         per_token = stats["bytes_received"] / (NTOK - 32)
         assert per_token == 4 * 2 * 4 * 16 * 4, "only the 68 tokens past the prefix hit moved"
@@ -146,12 +146,14 @@ def test_prefill_killed_mid_push_fails_the_load_with_its_blocks() -> None:
         time.sleep(1.5)  # a layer or two saved and read
         p, _ = push.prefill[0]
         os.kill(p.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        (status, detail, _, _), = push.results()
+        killed_at = time.monotonic()
+        (status, detail, _, _, seen_at), = push.results()
         assert status == "failed", detail
         invalid, _why, code, _ = detail
         assert invalid == D_BLOCKS[:7] and code == "timeout"
-        assert time.monotonic() - t0 < 2.0 + 1.5, "within transfer_s of the last push"
+        # the last notice came before the kill: failed by transfer_s (2 s) after it, not by the
+        # reservation (60 s); the margin is for a loaded machine
+        assert seen_at - killed_at < 2.0 + 3.0
 
 
 def test_decode_killed_mid_push_frees_the_prefill_blocks() -> None:
@@ -170,7 +172,7 @@ def test_a_push_after_the_reservation_expired_is_refused_and_lands_nothing() -> 
     pcfg = make_cfg("prefill", "P")
     dcfg = msgspec_replace_reservation(make_cfg("decode", "D"), 1.0)
     with Push(pcfg, dcfg) as push:
-        (status, detail, _, _), = push.results()  # nothing pushed within the reservation
+        (status, detail, _, _, _), = push.results()  # nothing pushed within the reservation
         assert status == "failed", detail
         invalid, _why, code, untouched = detail
         assert invalid == D_BLOCKS[:7] and code == "timeout" and untouched
@@ -185,3 +187,19 @@ def msgspec_replace_reservation(cfg: InstanceConfig, reservation_s: float) -> In
 
     t = msgspec.structs.replace(cfg.connector.timeouts, reservation_s=reservation_s)
     return msgspec.structs.replace(cfg, connector=msgspec.structs.replace(cfg.connector, timeouts=t))
+
+
+@pytest.mark.parametrize("case", ["same layout", "prefill TP2 -> decode TP1"])
+def test_push_through_transfer_agents(case: str, conn: str) -> None:
+    """Every rank's data path in a transfer agent (the default): save_layer, push and reserve are
+    agent commands, landed layers come back as events."""
+    pkw, dkw = CASES[case]
+    pcfg = make_cfg("prefill", "P", connector=conn, data_path="agent", **pkw)
+    dcfg = make_cfg("decode", "D", connector=conn, data_path="agent", **dkw)
+    with Push(pcfg, dcfg) as push:
+        push.push(delay_s=0.1)
+        push.pushed()
+        for status, detail, landed, _, _ in push.results():
+            assert status == "ok", (status, detail)
+            assert landed == [0, 1, 2, 3]
+        assert push.released()
