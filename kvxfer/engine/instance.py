@@ -77,6 +77,9 @@ class Instance:
     drives every rank (one process per TP/PP rank) through :class:`~kvxfer.engine.ranks.Ranks`."""
 
     def __init__(self, cfg: InstanceConfig, config_path: str | None = None) -> None:
+        if cfg.connector.mode != "pull":
+            raise ValueError("connector.mode: the reference engine runs pull only so far; push is the Connector "
+                             "API's (reserve, hold(streaming=True), push, save_layer: docs/connector-api.md)")
         if cfg.cache.dtype != cfg.model.dtype:
             raise ValueError(f"cache.dtype: the reference engine stores its KV in the model dtype "
                              f"({cfg.model.dtype}), got {cfg.cache.dtype}")
