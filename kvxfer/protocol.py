@@ -256,7 +256,27 @@ class RemoteRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     generation: int
 
 
-class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+_H = TypeVar("_H", bound="Handed")
+
+
+class Handed(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What one instance hands another through the router or an engine's request: msgpack bytes,
+    size-checked and typed on the way in."""
+
+    def to_bytes(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def from_bytes(cls: type[_H], data: bytes) -> _H:
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"{cls.__name__} of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"undecodable {cls.__name__}: {e}") from None
+
+
+class KVTransferParams(Handed, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What the prefill instance returns for a request and the router hands to decode."""
 
     request_id: Id
@@ -268,17 +288,6 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     ranks: list[RemoteRank]
     lease_s: float
 
-    def to_bytes(self) -> bytes:
-        return _encoder.encode(self)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> KVTransferParams:
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"params of {len(data)} bytes exceed the limit of {MAX_MESSAGE_BYTES}")
-        try:
-            return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"undecodable KVTransferParams: {e}") from None
 
 
 _Merged = TypeVar("_Merged", "KVTransferParams", "PushTarget")
@@ -304,7 +313,7 @@ def merge_params(parts: list[KVTransferParams]) -> KVTransferParams:
 
 # ------------------------------------------------------------------ push mode
 
-class PushTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class PushTarget(Handed, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What the decode instance returns from ``reserve`` and the router hands to prefill (push
     mode): where the decode ranks listen and what they reserved. The prefill side tells those
     ranks, layer by layer, what it has saved; they read it into the reserved blocks."""
@@ -317,17 +326,6 @@ class PushTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     ranks: list[RemoteRank]
     lease_s: float  # how long the decode side keeps the reservation (timeouts.reservation_s)
 
-    def to_bytes(self) -> bytes:
-        return _encoder.encode(self)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> PushTarget:
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"push target of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
-        try:
-            return msgspec.msgpack.decode(data, type=cls)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"undecodable PushTarget: {e}") from None
 
 
 def merge_targets(parts: list[PushTarget]) -> PushTarget:

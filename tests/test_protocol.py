@@ -126,3 +126,26 @@ def test_refusals_travel_as_typed_codes() -> None:
     with pytest.raises(ProtocolError, match="undecodable"):
         decode_side(msgspec.msgpack.encode({"type": "error", "version": PROTOCOL_VERSION, "code": "no_such_code",
                                             "message": "x"}))
+
+
+def test_push_target_bytes_merge_and_layers_ready_on_the_wire() -> None:
+    from kvxfer.protocol import LayersReady, PushTarget, encode, merge_targets
+
+    def target(rank: int, **kw: object) -> PushTarget:
+        base = dict(request_id="d", engine_id="D", num_tokens=40, num_cached_tokens=16, layout=LAYOUT,
+                    ranks=[RemoteRank(rank=rank, host="127.0.0.1", port=5700 + rank, generation=9)], lease_s=60.0)
+        base.update(kw)
+        return PushTarget(**base)  # type: ignore[arg-type]
+
+    t0, t1 = target(0), target(1)
+    assert PushTarget.from_bytes(t0.to_bytes()) == t0
+    assert [r.rank for r in merge_targets([t1, t0]).ranks] == [0, 1]
+    with pytest.raises(ValueError, match="ranks disagree on num_cached_tokens"):
+        merge_targets([t0, target(1, num_cached_tokens=0)])
+    with pytest.raises(ProtocolError, match="undecodable PushTarget"):
+        PushTarget.from_bytes(params(0).to_bytes())  # a params is not a target
+    msg = LayersReady(request_id="d", generation=9, source=params(0), layers=[0, 1], token=b"t")
+    assert decode_side(encode(msg)) == msg
+    with pytest.raises(ProtocolError):
+        decode_side(msgspec.msgpack.encode({"type": "layers", "version": PROTOCOL_VERSION, "request_id": "d",
+                                            "generation": 9, "source": {"request_id": "x"}, "layers": [0]}))
