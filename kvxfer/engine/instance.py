@@ -8,6 +8,11 @@ Roles:
 - decode: reserve blocks for a prompt (local prefix hits are not transferred), load them
   through the connector, commit them, decode. A failed load is discarded and the prompt is
   computed here instead, so the request still completes;
+- push mode (``connector.mode: push``): the decode instance reserves first (``Reserve``) and
+  answers with a PushTarget; the prefill instance holds the prompt's blocks before computing
+  them and saves each layer as its forward pass writes it, so the decode side reads layer by
+  layer while the prefill runs; the decode instance decodes once every layer has landed and
+  the first token has come (``Decode(pushed=True)``);
 - both: compute and decode everything locally (the monolithic reference for ``--verify``).
 
 Each iteration admits new work, runs at most one prefill, then one decode step for every
@@ -39,13 +44,14 @@ from kvxfer.engine.worker import (
     Poll,
     Release,
     Reply,
+    Reserve,
     StartLoad,
     StatsOf,
     Wait,
     assemble_kv,
 )
-from kvxfer.protocol import KVTransferParams, ProtocolError, merge_params
-from kvxfer.topology import ParallelLayout
+from kvxfer.protocol import KVTransferParams, ProtocolError, PushTarget, merge_params, merge_targets
+from kvxfer.topology import ParallelLayout, check_compatible
 from kvxfer.transfer.aggregator import Finished, FinishedAggregator
 
 logger = logging.getLogger(__name__)
@@ -70,6 +76,9 @@ class Seq:
     transfer_s: float = 0.0
     loaded: bool = False
     cancelled: bool = False  # dropped while its KV was loading: freed when the load ends, no answer
+    target: bytes | None = None  # prefill, push: the decode instance's PushTarget
+    push: bool = False  # decode, push: blocks reserved for a prefill instance to push into
+    remote_block_size: int = 0  # decode, push: the prefill instance's block size
 
 
 class Instance:
@@ -77,9 +86,6 @@ class Instance:
     drives every rank (one process per TP/PP rank) through :class:`~kvxfer.engine.ranks.Ranks`."""
 
     def __init__(self, cfg: InstanceConfig, config_path: str | None = None) -> None:
-        if cfg.connector.mode != "pull":
-            raise ValueError("connector.mode: the reference engine runs pull only so far; push is the Connector "
-                             "API's (reserve, hold(streaming=True), push, save_layer: docs/connector-api.md)")
         if cfg.cache.dtype != cfg.model.dtype:
             raise ValueError(f"cache.dtype: the reference engine stores its KV in the model dtype "
                              f"({cfg.model.dtype}), got {cfg.cache.dtype}")
@@ -109,6 +115,7 @@ class Instance:
         self.prefill_queue: list[Seq] = []
         self.decode_queue: list[Seq] = []  # decode requests waiting for blocks
         self.loading: dict[str, Seq] = {}
+        self.pushed: dict[str, Seq] = {}  # push: every layer landed, waiting for the first token
         self.held: dict[str, Seq] = {}
         self.running: list[Seq] = []
         self.stop = False
@@ -165,7 +172,22 @@ class Instance:
             if self.cfg.role == "decode":
                 raise ValueError(f"{self.cfg.engine_id} is a decode instance; send it Decode, not Generate")
             self._check_prompt(msg.prompt, msg.max_tokens)
-            self.prefill_queue.append(Seq(msg.request_id, list(msg.prompt), msg.max_tokens, ident, now))
+            seq = Seq(msg.request_id, list(msg.prompt), msg.max_tokens, ident, now)
+            if msg.target is not None:
+                self._check_target(msg.target, len(msg.prompt))
+                seq.target = msg.target
+            self.prefill_queue.append(seq)
+        elif isinstance(msg, m.Reserve):
+            if not self.transfers or self.cfg.role != "decode":
+                raise ValueError(f"{self.cfg.engine_id} is a {self.cfg.role} instance; only a decode instance "
+                                 "reserves blocks for a push")
+            self._check_prompt(msg.prompt, msg.max_tokens)
+            if msg.remote_block_size < 1:
+                raise ValueError(f"remote_block_size: expected >= 1, got {msg.remote_block_size}")
+            self.decode_queue.append(Seq(msg.request_id, list(msg.prompt), msg.max_tokens, ident, now, push=True,
+                                         remote_block_size=msg.remote_block_size))
+        elif isinstance(msg, m.Decode) and self._reserved(msg.request_id) is not None:
+            self._continue_push(ident, msg)
         elif isinstance(msg, m.Decode):
             if self.cfg.role == "prefill":
                 raise ValueError(f"{self.cfg.engine_id} is a prefill instance; it does not decode")
@@ -194,13 +216,51 @@ class Instance:
         else:
             raise ValueError(f"unexpected {type(msg).__name__}")
 
+    def _check_target(self, raw: bytes, num_tokens: int) -> None:
+        """A push target must fit this instance (checked here: a rank refusing it would stop)."""
+        target = PushTarget.from_bytes(raw)
+        check_compatible(self.layout, target.layout)
+        if target.num_tokens != num_tokens or not target.ranks:
+            raise ValueError(f"push target {target.request_id}: reserved {target.num_tokens} tokens on "
+                             f"{len(target.ranks)} ranks for a prompt of {num_tokens}")
+
+    def _reserved(self, rid: str) -> Seq | None:
+        """A push reservation of this decode instance: queued, loading, or landed."""
+        seq = self.loading.get(rid) or self.pushed.get(rid)
+        if seq is None:
+            seq = next((q for q in self.decode_queue if q.request_id == rid and q.push), None)
+        return seq if seq is not None and seq.push else None
+
+    def _continue_push(self, ident: bytes, msg: m.Decode) -> None:
+        """The prefill instance pushed the request (the first token comes with it), or did not
+        answer in time (compute the prompt here; a reservation in flight is abandoned)."""
+        rid = msg.request_id
+        seq = self._reserved(rid)
+        assert seq is not None
+        seq.reply_to = ident
+        if msg.pushed and msg.first_token is not None:
+            seq.first_token = msg.first_token
+            landed = self.pushed.pop(rid, None)
+            if landed is not None:
+                self._start_decoding(landed)
+            return
+        if seq in self.decode_queue:
+            self.decode_queue.remove(seq)
+            self.prefill_queue.append(seq)
+        elif rid in self.loading:  # fails at a poll soon, and the prompt is computed then
+            self._on_all(Abandon(request_id=rid, params=None, reason="the prefill instance did not answer"))
+        elif rid in self.pushed:  # the KV is here but not the first token: compute it
+            del self.pushed[rid]
+            self.bm.free(rid)
+            self.prefill_queue.append(seq)
+
     def _cancel(self, rid: str) -> None:
         """Drop a request wherever it is (the router has answered its client): queued, held for
         readers, waiting for blocks, loading, or decoding. Unknown ids are already done."""
         for queue in (self.prefill_queue, self.decode_queue):
             for seq in [q for q in queue if q.request_id == rid]:
                 queue.remove(seq)
-                if seq.params is not None and queue is self.decode_queue:
+                if seq.params is not None and queue is self.decode_queue and not seq.push:
                     self._on_all(Abandon(request_id=rid, params=seq.params.to_bytes(), reason="cancelled"))
         if rid in self.held:  # prefill: the decode side will not read it
             del self.held[rid]
@@ -208,9 +268,10 @@ class Instance:
         if rid in self.loading:  # the data plane may still be writing its blocks: free them when it stops
             loading = self.loading[rid]
             loading.cancelled = True
-            assert loading.params is not None  # a request starts loading only with its params
-            self._on_all(Abandon(request_id=rid, params=loading.params.to_bytes(), reason="cancelled"))
+            raw = loading.params.to_bytes() if loading.params is not None else None  # None: a push reservation
+            self._on_all(Abandon(request_id=rid, params=raw, reason="cancelled"))
             return
+        self.pushed.pop(rid, None)
         for seq in [q for q in self.running if q.request_id == rid]:
             self.running.remove(seq)
         if rid in self.bm.requests:
@@ -228,10 +289,12 @@ class Instance:
         """Run one command on every rank; each rank's reply."""
         return [replies[0] for replies in self.ranks.run([cmd])]
 
-    def _forward(self, work: list[tuple[Seq, list[int], int]]) -> list[int]:
+    def _forward(self, work: list[tuple[Seq, list[int], int]], save: bool = False) -> list[int]:
         """For each (request, tokens, start): compute the tokens at positions start.. on every
-        rank (writing their KV), in one batch; the greedy next token of each."""
-        spans = [ForwardSpan(block_ids=list(self.bm.get(seq.request_id).block_ids), tokens=tokens, start=start)
+        rank (writing their KV), in one batch; the greedy next token of each. ``save`` (push):
+        every rank saves each layer of these requests as soon as it is written."""
+        spans = [ForwardSpan(block_ids=list(self.bm.get(seq.request_id).block_ids), tokens=tokens, start=start,
+                             save_as=seq.request_id if save else None)
                  for seq, tokens, start in work]
         tokens = self._on_all(Forward(spans=spans))[self.last_rank].tokens
         assert tokens is not None and len(tokens) == len(work)
@@ -279,15 +342,22 @@ class Instance:
             self.prefill_queue.insert(0, seq)
             return False
         self.bm.allocate(seq.request_id, seq.prompt, max_cached_tokens=0)
-        (first,) = self._forward([(seq, seq.prompt, 0)])
+        push = self.cfg.role == "prefill" and seq.target is not None
+        if push:  # held before it is computed: each layer is read as soon as it is saved
+            hold = Hold(request_id=seq.request_id, block_ids=list(self.bm.get(seq.request_id).block_ids),
+                        num_tokens=len(seq.prompt), streaming=True, target=seq.target)
+            params = merge_params([KVTransferParams.from_bytes(r.params or b"") for r in self._on_all(hold)])
+            self.held[seq.request_id] = seq
+        (first,) = self._forward([(seq, seq.prompt, 0)], save=push)
         self.bm.commit(seq.request_id)
         seq.num_computed = len(seq.prompt)
         now = time.monotonic() - seq.received
         if self.cfg.role == "prefill":
-            hold = Hold(request_id=seq.request_id, block_ids=list(self.bm.get(seq.request_id).block_ids),
-                        num_tokens=len(seq.prompt))
-            params = merge_params([KVTransferParams.from_bytes(r.params or b"") for r in self._on_all(hold)])
-            self.held[seq.request_id] = seq
+            if not push:
+                hold = Hold(request_id=seq.request_id, block_ids=list(self.bm.get(seq.request_id).block_ids),
+                            num_tokens=len(seq.prompt))
+                params = merge_params([KVTransferParams.from_bytes(r.params or b"") for r in self._on_all(hold)])
+                self.held[seq.request_id] = seq
             self._send(seq.reply_to, m.Prefilled(request_id=seq.request_id, first_token=first,
                                                  params=params.to_bytes()))
             return True
@@ -334,23 +404,35 @@ class Instance:
     def _admit_decodes(self) -> None:
         while self.decode_queue:
             seq = self.decode_queue[0]
-            assert seq.params is not None
-            params = seq.params.to_bytes()
-            align = math.lcm(self.cfg.cache.block_size, seq.params.block_size)
+            remote_bs = seq.remote_block_size if seq.push else seq.params.block_size if seq.params else 0
+            align = math.lcm(self.cfg.cache.block_size, remote_bs)
             hit = len(self.bm.prefix_hits(seq.prompt)) * self.cfg.cache.block_size
             cached = hit // align * align
+            if seq.push:  # a reservation pushes at least one token (the prefill computes them all anyway)
+                cached = min(cached, (len(seq.prompt) - 1) // align * align)
             adm = self._admission(seq, max_cached_tokens=cached)
             if adm is Admission.LATER:
                 return  # the lease is renewed meanwhile
             self.decode_queue.pop(0)
             if adm is Admission.NEVER:
-                self._on_all(Abandon(request_id=seq.request_id, params=params, reason="cannot fit the decode cache"))
+                if seq.params is not None:
+                    self._on_all(Abandon(request_id=seq.request_id, params=seq.params.to_bytes(),
+                                         reason="cannot fit the decode cache"))
                 self._finish(seq, error=f"prompt of {len(seq.prompt)} tokens and {seq.max_tokens} output tokens "
                                         f"can never fit this cache")
                 continue
             alloc = self.bm.reserve(seq.request_id, seq.prompt, timeout_s=self.cfg.connector.timeouts.reservation_s,
                                     max_cached_tokens=cached)
             seq.load_started = time.monotonic()
+            if seq.push:
+                replies = self._on_all(Reserve(request_id=seq.request_id, block_ids=list(alloc.block_ids),
+                                               num_tokens=len(seq.prompt), num_cached_tokens=alloc.num_cached_tokens))
+                target = merge_targets([PushTarget.from_bytes(r.params or b"") for r in replies])
+                self.loading[seq.request_id] = seq
+                self._send(seq.reply_to, m.Reserved(request_id=seq.request_id, target=target.to_bytes()))
+                continue
+            assert seq.params is not None
+            params = seq.params.to_bytes()
             # a rank that cannot start its part reports the request failed at the next poll
             self._on_all(StartLoad(request_id=seq.request_id, params=params, block_ids=list(alloc.block_ids),
                                    num_cached_tokens=alloc.num_cached_tokens))
@@ -379,9 +461,10 @@ class Instance:
             seq.kv_bytes = (len(seq.prompt) - self.bm.get(rid).num_cached_tokens) * self.bytes_per_block // \
                 self.cfg.cache.block_size
             seq.num_computed = len(seq.prompt)
-            seq.generated = [seq.first_token if seq.first_token is not None else 0]
-            seq.token_times = [time.monotonic() - seq.received]
-            self._after_first(seq)
+            if seq.push and seq.first_token is None:  # landed before the prefill instance's answer
+                self.pushed[rid] = seq
+                continue
+            self._start_decoding(seq)
         for rid, invalid in f.failed.items():
             seq = self.loading.pop(rid)
             if seq.cancelled:
@@ -391,6 +474,12 @@ class Instance:
                            rid, f.errors.get(rid, "?"), len(invalid))
             self.bm.discard(rid)
             self.prefill_queue.append(seq)
+
+    def _start_decoding(self, seq: Seq) -> None:
+        """The prompt's KV is here and its first token known: decode from here."""
+        seq.generated = [seq.first_token if seq.first_token is not None else 0]
+        seq.token_times = [time.monotonic() - seq.received]
+        self._after_first(seq)
 
     def _kv_dump(self, prompt: list[int]) -> m.KVDump:
         """Token-major K and V of the prompt's full blocks that sit in the prefix cache, gathered

@@ -21,6 +21,23 @@ class Generate(EngineMessage, tag="generate"):
     request_id: str
     prompt: Tokens
     max_tokens: int
+    target: bytes | None = None  # push: the decode instance's PushTarget (msgpack); stream the KV there
+
+
+class Reserve(EngineMessage, tag="reserve"):
+    """Router -> decode instance (push mode, first): reserve blocks for this prompt."""
+
+    request_id: str
+    prompt: Tokens
+    max_tokens: int
+    remote_block_size: int  # the prefill instance's: a prefix hit must be a multiple of both
+
+
+class Reserved(EngineMessage, tag="reserved"):
+    """Decode instance -> router: the PushTarget to hand the prefill instance."""
+
+    request_id: str
+    target: bytes  # PushTarget, msgpack
 
 
 class Prefilled(EngineMessage, tag="prefilled"):
@@ -39,6 +56,7 @@ class Decode(EngineMessage, tag="decode"):
     max_tokens: int
     first_token: int | None = None
     params: bytes | None = None
+    pushed: bool = False  # push: the prefill instance has pushed the reserved request's KV
 
 
 class Generated(EngineMessage, tag="generated"):
@@ -100,8 +118,8 @@ class Error(EngineMessage, tag="error"):
     message: str
 
 
-Any_ = Generate | Prefilled | Decode | Generated | Cancel | Ping | Pong | StatsQuery | Stats | KVQuery | KVDump | \
-    Shutdown | Error
+Any_ = Generate | Reserve | Reserved | Prefilled | Decode | Generated | Cancel | Ping | Pong | StatsQuery | Stats | \
+    KVQuery | KVDump | Shutdown | Error
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Any_)
 

@@ -105,13 +105,15 @@ class Transformer:
         assert self.lm_head is not None
         return rms_norm(hidden, self.final_norm) @ self.lm_head
 
-    def forward_layers(self, hidden: list[torch.Tensor], spans: list[Span], cache: KVCache) -> list[torch.Tensor]:
+    def forward_layers(self, hidden: list[torch.Tensor], spans: list[Span], cache: KVCache,
+                       after_layer: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         """Run this stage's layers for a batch of requests (``hidden[i]``: the new tokens of
         ``spans[i]``); write each one's K/V into its blocks, attend over its own context.
 
         Each request is computed on its own, so its numbers do not depend on what it is batched
         with (a batched matmul may round differently); the all-reduce, an elementwise sum, is
-        one per sublayer for the whole batch."""
+        one per sublayer for the whole batch. ``after_layer(layer)`` runs once a layer's K/V of
+        every request is written (push mode saves the layer there, while the next one computes)."""
         d, theta = self.cfg.head_size, self.cfg.rope_theta
         bs = cache.spec.block_size
         nhd = cache.spec.layout == "NHD"
@@ -137,6 +139,8 @@ class Transformer:
                 keys = kb.reshape(-1, self.kv_heads, d)[: s.context_len].to(self.dtype)
                 vals = vb.reshape(-1, self.kv_heads, d)[: s.context_len].to(self.dtype)
                 outs.append(self._attention(q, keys, vals, s.positions).reshape(t, -1) @ w["wo"])
+            if after_layer is not None:  # every request's K/V of this layer is in its blocks
+                after_layer(layer)
             hidden = [h + o for h, o in zip(hidden, self._reduce(outs), strict=True)]
             outs = []
             for h in hidden:

@@ -3,6 +3,15 @@ the params to a decode instance, returns the generated tokens. Round robin over 
 
 If no prefill instance answers in time, the request goes to a decode instance without params
 (it computes the prompt itself), so a dead prefill instance slows requests down but loses none.
+
+Push mode (``connector.mode: push`` on every instance): the decode instance is asked first to
+reserve blocks (``Reserve``); its ``Reserved`` target goes with the prompt to the prefill
+instance, which streams each layer's KV there as it computes; the first token then goes to
+the decode instance (``Decode(pushed=True)``), which decodes once every layer has landed.
+
+Time to first token is measured to when the decode instance has the first token and the
+prompt's KV (its first token time plus when the router first sent it the request), so a pull's
+transfer counts as it should.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ class Pending:
     decode: str = ""
     ttft_s: float = 0.0
     fallback: bool = False
-    stage: str = "prefill"
+    stage: str = "prefill"  # push: "reserve" first
+    decode_sent: float = 0.0  # when the decode instance was first sent this request
 
 
 class Router:
@@ -57,6 +67,11 @@ class Router:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://{cfg.server.host}:{cfg.server.port}")
             self.backs[cfg.engine_id] = s
+        modes = {c.connector.mode for c in instances if c.role != "both"}
+        if len(modes) > 1:
+            raise ValueError(f"connector.mode: the launch file's instances mix {sorted(modes)}; use one")
+        self.push = modes == {"push"}
+        self.block_size = {c.engine_id: c.cache.block_size for c in instances}
         self.prefills = [c.engine_id for c in instances if c.role == "prefill"]
         self.decodes = [c.engine_id for c in instances if c.role in ("decode", "both")]
         if not self.decodes:
@@ -70,11 +85,13 @@ class Router:
     def _to(self, engine: str, msg: m.EngineMessage) -> None:
         self.backs[engine].send_multipart([b"", m.encode(msg)])
 
-    def _decode(self, p: Pending, first: int | None, params: bytes | None) -> None:
-        p.decode = next(self._d)
+    def _decode(self, p: Pending, first: int | None, params: bytes | None, pushed: bool = False) -> None:
+        if not p.decode:
+            p.decode = next(self._d)
+            p.decode_sent = time.monotonic()
         p.stage = "decode"
         self._to(p.decode, m.Decode(request_id=p.msg.request_id, prompt=p.msg.prompt, max_tokens=p.msg.max_tokens,
-                                    first_token=first, params=params))
+                                    first_token=first, params=params, pushed=pushed))
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
@@ -118,6 +135,12 @@ class Router:
                 self.pending[msg.request_id] = p
                 if self._p is None:
                     self._decode(p, None, None)
+                elif self.push:  # the decode instance reserves first
+                    p.prefill, p.decode, p.stage = next(self._p), next(self._d), "reserve"
+                    p.decode_sent = time.monotonic()
+                    self._to(p.decode, m.Reserve(request_id=msg.request_id, prompt=msg.prompt,
+                                                 max_tokens=msg.max_tokens,
+                                                 remote_block_size=self.block_size[p.prefill]))
                 else:
                     p.prefill = next(self._p)
                     self._to(p.prefill, msg)
@@ -145,12 +168,17 @@ class Router:
             p = self.pending.get(rid) if rid else None
             if rid is None or p is None:
                 continue  # a late answer for a request already sent on (e.g. after a prefill timeout)
-            if isinstance(msg, m.Prefilled) and p.stage == "prefill":
-                p.ttft_s = time.monotonic() - p.received
-                self._decode(p, msg.first_token, msg.params)
+            if isinstance(msg, m.Reserved) and p.stage == "reserve":
+                p.stage = "prefill"
+                self._to(p.prefill, m.Generate(request_id=rid, prompt=p.msg.prompt, max_tokens=p.msg.max_tokens,
+                                               target=msg.target))
+            elif isinstance(msg, m.Prefilled) and p.stage == "prefill":
+                self._decode(p, msg.first_token, None if self.push else msg.params, pushed=self.push)
             elif isinstance(msg, m.Generated):
                 del self.pending[rid]
-                if p.ttft_s == 0.0 and msg.token_times:
+                if msg.token_times and p.decode_sent:  # the decode instance had the KV and the first token
+                    p.ttft_s = p.decode_sent - p.received + msg.token_times[0]
+                elif msg.token_times:
                     p.ttft_s = time.monotonic() - p.received - (msg.token_times[-1] - msg.token_times[0])
                 out = RoutedGenerated(result=msg, ttft_s=p.ttft_s, prefill_engine=p.prefill, decode_engine=p.decode,
                                       fallback=p.fallback)
@@ -159,7 +187,7 @@ class Router:
     def _timeouts(self) -> None:
         now = time.monotonic()
         for p in list(self.pending.values()):
-            if p.stage == "prefill" and now - p.received > self.prefill_timeout_s:
+            if p.stage in ("prefill", "reserve") and now - p.received > self.prefill_timeout_s:
                 logger.warning("request %s: prefill instance %s did not answer in %.1fs; decode computes the prompt",
                                p.msg.request_id, p.prefill, self.prefill_timeout_s)
                 p.fallback = True

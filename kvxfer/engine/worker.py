@@ -21,7 +21,7 @@ from kvxfer.config import InstanceConfig
 from kvxfer.connector import Connector, EngineConnector
 from kvxfer.engine.model import Span, Transformer
 from kvxfer.metrics import MetricsServer
-from kvxfer.protocol import ErrorCode, KVTransferParams
+from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 
@@ -38,6 +38,7 @@ class ForwardSpan(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     block_ids: list[int]
     tokens: list[int]
     start: int
+    save_as: str | None = None  # push: after each layer, save_layer(save_as, layer) on this rank
 
 
 class Forward(Command, tag="forward", frozen=True):
@@ -50,6 +51,17 @@ class Hold(Command, tag="hold", frozen=True):
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    streaming: bool = False  # push: held before the forward pass, each layer readable once saved
+    target: bytes | None = None  # push: the decode side's PushTarget (msgpack)
+
+
+class Reserve(Command, tag="reserve", frozen=True):
+    """Decode side, push: reserve ``block_ids`` for a prompt a prefill instance will push."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    num_cached_tokens: int
 
 
 class Wait(Command, tag="wait", frozen=True):
@@ -66,7 +78,7 @@ class StartLoad(Command, tag="load", frozen=True):
 
 class Abandon(Command, tag="abandon", frozen=True):
     request_id: str
-    params: bytes
+    params: bytes | None  # None: a push reservation
     reason: str
 
 
@@ -92,7 +104,7 @@ class Stop(Command, tag="stop", frozen=True):
     pass
 
 
-AnyCommand = Forward | Hold | Wait | StartLoad | Abandon | Release | Poll | DumpKV | StatsOf | Stop
+AnyCommand = Forward | Hold | Reserve | Wait | StartLoad | Abandon | Release | Poll | DumpKV | StatsOf | Stop
 
 
 class FinishedMsg(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -107,7 +119,7 @@ class Reply(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defau
     """What one rank answers to one command; only the field the command asks for is set."""
 
     tokens: list[int] | None = None  # a Forward's next token per span, from the last PP stage
-    params: bytes | None = None
+    params: bytes | None = None  # a Hold's KVTransferParams, a Reserve's PushTarget
     finished: FinishedMsg | None = None
     data: bytes | None = None
     stats: dict[str, float] | None = None
@@ -186,10 +198,20 @@ class Worker:
         if conn is None:
             raise RuntimeError(f"{type(cmd).__name__}: a {self.cfg.role} instance has no connector")
         if isinstance(cmd, Hold):
-            return Reply(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens).to_bytes())
+            params = conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens, streaming=cmd.streaming)
+            if cmd.target is not None:
+                conn.push(cmd.request_id, PushTarget.from_bytes(cmd.target))
+            return Reply(params=params.to_bytes())
+        if isinstance(cmd, Reserve):
+            return Reply(params=conn.reserve(cmd.request_id, cmd.block_ids, cmd.num_tokens,
+                                             cmd.num_cached_tokens).to_bytes())
         if isinstance(cmd, Release):
             conn.release(cmd.request_id)
             return Reply()
+        if isinstance(cmd, Abandon) and cmd.params is None:
+            conn.abandon(cmd.request_id, None, cmd.reason)
+            return Reply()
+        assert cmd.params is not None
         params = KVTransferParams.from_bytes(cmd.params)
         if isinstance(cmd, Wait):
             conn.wait(cmd.request_id, params)
@@ -220,7 +242,15 @@ class Worker:
             hidden = list(packed.split(lengths))
         spans = [Span(torch.arange(s.start, s.start + len(s.tokens)), torch.as_tensor(s.block_ids, dtype=torch.int64),
                       s.start + len(s.tokens)) for s in cmd.spans]
-        hidden = model.forward_layers(hidden, spans, self.cache)
+        saves = [s.save_as for s in cmd.spans if s.save_as is not None]
+        conn = self.connector
+
+        def saved(layer: int) -> None:  # push: this layer's K/V of every span is written
+            assert conn is not None
+            for rid in saves:
+                conn.save_layer(rid, layer)
+
+        hidden = model.forward_layers(hidden, spans, self.cache, after_layer=saved if saves and conn else None)
         if not model.last_stage:
             assert self.send is not None
             self.send(torch.cat(hidden), self.layout.rank(self.tp_rank, self.pp_rank + 1))
