@@ -150,3 +150,21 @@ def test_metrics_stage_counters() -> None:
     assert (s["stage_loads"], s["stage_handoffs"]) == (1, 1)
     assert (s["stage_queue_s"], s["stage_plan_s"], s["stage_transfer_s"], s["stage_complete_s"],
             s["stage_handoff_s"]) == (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def test_bench_e2e_runs_pull_and_push_on_a_shaped_link(tmp_path: Path) -> None:
+    """Both modes, on the unshaped link and on a namespace joined by a veth pair held to 200 Mbit/s
+    (root is needed for the namespace; these machines and CI run as root)."""
+    out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    kvxfer("bench", "e2e", "--launch", "configs/push.yaml", "--modes", "pull", "push", "--prompts", "64",
+           "--requests", "2", "--output", "3", "--shape-mbit", "200", "--json", str(out), "--plot", str(png))
+    data = json.loads(out.read_text())
+    recs = data["records"]
+    assert {(x["mode"], x["link"]) for x in recs} == {("pull", "unshaped"), ("push", "unshaped"), ("pull", "shaped"),
+                                                      ("push", "shaped")}
+    for x in recs:
+        assert x["disaggregated"]["loaded"] == 2, x  # every prompt's KV came over the connector, in either mode
+        assert x["kv_bytes"] == 2 * 64 * 4 * 2 * 2 * 32 * 4  # 64 tokens x (layers, K/V, heads, head size, fp32)
+        assert x["ttft_p50_ms"] > 0 and x["ttft_vs_pull"] > 0
+    assert [x["shape_mbit"] for x in recs if x["link"] == "shaped"] == [200.0, 200.0]
+    assert png.read_bytes()[:8] == PNG

@@ -59,8 +59,8 @@ def small_launch(tmp_path: Path, name: str, **extra: object) -> Path:
 
 
 def test_every_shipped_launch_file_is_tested() -> None:
-    assert {"demo.yaml", "blocks.yaml", "ucx.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml"} <= \
-        set(LAUNCH_FILES)
+    assert {"demo.yaml", "blocks.yaml", "ucx.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml", "push.yaml",
+            "push-hetero-tp.yaml", "push-blocks.yaml"} <= set(LAUNCH_FILES)
 
 
 @pytest.mark.parametrize("name", LAUNCH_FILES)
@@ -81,11 +81,12 @@ def _kv(addr: str, prompt: list[int]) -> tuple[int, bytes]:
     return dump.num_tokens, dump.data
 
 
-@pytest.mark.parametrize("name", ["blocks.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml"])
+@pytest.mark.parametrize("name", ["blocks.yaml", "hetero-tp.yaml", "hetero-tp-up.yaml", "pp.yaml", "push-blocks.yaml",
+                                  "push-hetero-tp.yaml"])
 def test_decode_kv_equals_prefill_kv_after_repack(tmp_path: Path, name: str) -> None:
     """blocks: 16-token HND blocks -> 32-token NHD; hetero-tp: two prefill ranks' heads -> one
-    rank; hetero-tp-up: the reverse; pp: two prefill stages' layers -> one rank. The dump gathers
-    every rank's part of the instance's KV."""
+    rank; hetero-tp-up: the reverse; pp: two prefill stages' layers -> one rank; push-*: the same
+    pushed layer by layer. The dump gathers every rank's part of the instance's KV."""
     path = small_launch(tmp_path, name)
     launch = load_launch_config(path)
     (pcfg, dcfg) = [load_instance_config(p) for p in launch.instances]
@@ -113,8 +114,11 @@ def test_decode_kv_equals_prefill_kv_after_repack(tmp_path: Path, name: str) -> 
     assert kvxfer_children() == []
 
 
-def test_killing_prefill_mid_run_completes_every_request_on_decode(tmp_path: Path) -> None:
-    path = small_launch(tmp_path, "demo.yaml", prefill_timeout_s=2.0)
+@pytest.mark.parametrize("name", ["demo.yaml", "push.yaml"])
+def test_killing_prefill_mid_run_completes_every_request_on_decode(tmp_path: Path, name: str) -> None:
+    """Pull: loads in flight fail and queued requests time out at the router; push: reservations
+    being pushed fail (transfer_s after the last layer), the rest time out; all are computed on decode."""
+    path = small_launch(tmp_path, name, prefill_timeout_s=2.0)
     data = yaml.safe_load(path.read_text())
     data["workload"] = {"num_requests": 40, "prompt_tokens": 300, "output_tokens": 16, "seed": 5}
     path.write_text(yaml.safe_dump(data))

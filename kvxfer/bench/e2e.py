@@ -5,19 +5,31 @@ The launch file's instances and router serve the disaggregated run; the baseline
 same run, is one monolithic instance (the decode instance's config, one rank, role both)
 given the same requests. Requests go one at a time (``--concurrency 1``, the default), so
 the figures are latencies, not queueing; raise it to see the effect of load.
+
+``--modes pull push`` runs the same workload in each transfer mode (``connector.mode`` of every
+instance set to it; push streams each layer as the prefill computes it). ``--shape-mbit R``
+also runs every mode on a shaped link: the prefill instance runs in a network namespace of its
+own, joined to this one by a veth pair held to R Mbit/s each way (``tc`` tbf; needs root;
+removed at the end), with TCP data planes and shared-secret auth, so that moving a prompt's KV
+can take about as long as computing it. TTFT is when the decode instance has the prompt's KV
+and the first token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from kvxfer.config import load_instance_config, load_launch_config, to_yaml
+from kvxfer.config import AuthConfig, InstanceConfig, LaunchConfig, load_instance_config, load_launch_config, to_yaml
 from kvxfer.engine import messages as m
 from kvxfer.engine.launcher import _addr, _pct, run_workload, started, verify_config, wait_ready
 from kvxfer.engine.router import RoutedGenerated
@@ -37,6 +49,94 @@ def _measure(addr: str, requests: list[m.Generate], concurrency: int, label: str
             "loaded": float(sum(r.result.loaded for r in results.values()))}
 
 
+# the shaped link is not loopback: both sides authenticate (a KVXFER_ name would read as a config override)
+SECRET_ENV = "KV_BENCH_SECRET"
+
+
+class ShapedLink:
+    """A second host for the prefill instance: a network namespace joined to this one by a veth
+    pair whose both ends are held to ``mbit`` Mbit/s by a token bucket (tbf), as
+    ``tests/test_netcut.py`` does. Needs root; removed by ``close``."""
+
+    P_IP, D_IP = "10.214.0.1", "10.214.0.2"
+
+    def __init__(self, mbit: float) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns, self.here, self.there = f"kvxe{tag}", f"kve{tag}", f"kvf{tag}"
+        burst = max(64 * 1024, int(mbit * 1e6 / 8 / 250))  # about 4 ms of the rate
+        steps = [
+            ["ip", "netns", "add", self.ns],
+            ["ip", "link", "add", self.here, "type", "veth", "peer", "name", self.there],
+            ["ip", "link", "set", self.there, "netns", self.ns],
+            ["ip", "addr", "add", f"{self.D_IP}/30", "dev", self.here],
+            ["ip", "-n", self.ns, "addr", "add", f"{self.P_IP}/30", "dev", self.there],
+            ["ip", "link", "set", self.here, "up"],
+            ["ip", "-n", self.ns, "link", "set", self.there, "up"],
+            ["ip", "-n", self.ns, "link", "set", "lo", "up"],
+            ["tc", "qdisc", "add", "dev", self.here, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+             "latency", "2s"],
+            ["ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.there, "root", "tbf", "rate",
+             f"{mbit}mbit", "burst", str(burst), "latency", "2s"],
+        ]
+        for step in steps:
+            r = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if r.returncode:
+                self.close()
+                raise RuntimeError(f"--shape-mbit: cannot make the shaped link ({' '.join(step)}: "
+                                   f"{r.stderr.strip()}); it needs root, ip and tc")
+
+    @property
+    def wrap(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns]
+
+    def close(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.here], capture_output=True, timeout=30)
+
+
+def mode_configs(instances: list[InstanceConfig], mode: str, link: ShapedLink | None) -> list[InstanceConfig]:
+    """The launch file's instances in ``mode``; with a shaped ``link``, the prefill instance
+    listens in its namespace and the decode side channel on its end of the link, both on TCP
+    (a Unix socket would bypass the link), with shared-secret auth."""
+    out = []
+    for c in instances:
+        conn = msgspec.structs.replace(c.connector, mode=mode)
+        server = c.server
+        if link is not None and c.role != "both":
+            if c.connector.name != "tcp":
+                raise ValueError(f"--shape-mbit: instance {c.engine_id} must use the tcp data plane (cma and a "
+                                 f"Unix socket would not cross the shaped link), got {c.connector.name}")
+            host = link.P_IP if c.role == "prefill" else link.D_IP
+            conn = msgspec.structs.replace(
+                conn, side_channel=msgspec.structs.replace(c.connector.side_channel, host=host),
+                data_plane={**c.connector.data_plane, "transport": "tcp", "host": host},
+                auth=AuthConfig(secret_env=SECRET_ENV))
+            if c.role == "prefill":
+                server = msgspec.structs.replace(c.server, host=link.P_IP)
+        out.append(msgspec.structs.replace(c, connector=conn, server=server))
+    return out
+
+
+def _write_launch(run_dir: Path, launch: LaunchConfig, cfgs: list[InstanceConfig], tag: str) -> tuple[Path, list[str]]:
+    paths = []
+    for c in cfgs:
+        path = run_dir / f"{c.engine_id}-{tag}.yaml"
+        path.write_text(to_yaml(c))
+        paths.append(str(path))
+    lpath = run_dir / f"launch-{tag}.yaml"
+    lpath.write_text(to_yaml(msgspec.structs.replace(launch, instances=paths)))
+    return lpath, paths
+
+
+WARM_UP = 2  # requests each server set takes before it is measured (first calls pay imports and allocation)
+
+
+def _warm_up(addr: str, rng: np.random.Generator, vocab: int, plen: int, output: int, label: str) -> None:
+    reqs = [m.Generate(request_id=f"warm-{label}-{i}", prompt=rng.integers(0, vocab, plen).tolist(),
+                       max_tokens=output) for i in range(WARM_UP)]
+    _measure(addr, reqs, 1, f"warm-up {label}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvxfer bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per prompt length")
     ap.add_argument("--output", type=int, default=16, help="output tokens per request")
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", choices=["pull", "push"], default=None,
+                    help="transfer modes to run (default: the launch file's own)")
+    ap.add_argument("--shape-mbit", type=float, default=None, metavar="R",
+                    help="also run on a link shaped to R Mbit/s (tc on loopback; root)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="PNG: TTFT and ITL against prompt length")
     args = ap.parse_args(argv)
@@ -56,48 +160,84 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --prompts {too_long}: prompt + output must fit model.max_position="
               f"{decode.model.max_position}", file=sys.stderr)
         return 1
+    if args.shape_mbit is not None and args.shape_mbit <= 0:
+        print("error: --shape-mbit: expected > 0", file=sys.stderr)
+        return 1
     rng = np.random.default_rng(0)
     vocab = decode.model.vocab_size
+    modes = args.modes or [next(c for c in instances if c.role == "prefill").connector.mode if any(
+        c.role == "prefill" for c in instances) else "pull"]
+    links = ["unshaped"] + (["shaped"] if args.shape_mbit is not None else [])
+    prompts = {plen: [rng.integers(0, vocab, plen).tolist() for _ in range(args.requests)] for plen in args.prompts}
     records: list[dict[str, Any]] = []
     with started() as run:
-        targets = [(run.start(c.engine_id, ["serve", p]), _addr(c.server.host, c.server.port))
-                   for c, p in zip(instances, launch.instances, strict=True)]
-        targets.append((run.start("router", ["route", args.launch]), _addr(launch.router.host, launch.router.port)))
         mono = verify_config(launch, decode)
         mono_path = run.logdir / "monolithic.yaml"
         mono_path.write_text(to_yaml(mono))
-        targets.append((run.start(mono.engine_id, ["serve", str(mono_path)]),
-                        _addr(mono.server.host, mono.server.port)))
-        wait_ready(run, targets, launch.ready_timeout_s)
-        for plen in args.prompts:
-            reqs = [m.Generate(request_id=f"e2e-{plen}-{i}", prompt=rng.integers(0, vocab, plen).tolist(),
-                               max_tokens=args.output) for i in range(args.requests)]
-            dis = _measure(_addr(launch.router.host, launch.router.port), reqs, args.concurrency,
-                           f"disaggregated, prompt {plen}")
-            # the same prompts again would hit the decode instance's prefix cache: fresh ids, fresh prompts
+        mono_child = run.start(mono.engine_id, ["serve", str(mono_path)])
+        wait_ready(run, [(mono_child, _addr(mono.server.host, mono.server.port))], launch.ready_timeout_s)
+        _warm_up(_addr(mono.server.host, mono.server.port), rng, vocab, min(args.prompts), args.output, "mono")
+        baseline: dict[int, dict[str, float]] = {}
+        for plen in args.prompts:  # fresh prompts: the disaggregated runs' would hit its prefix cache
             reqs = [m.Generate(request_id=f"mono-{plen}-{i}", prompt=rng.integers(0, vocab, plen).tolist(),
                                max_tokens=args.output) for i in range(args.requests)]
-            mon = _measure(_addr(mono.server.host, mono.server.port), reqs, args.concurrency,
-                           f"monolithic, prompt {plen}")
-            records.append({"prompt_tokens": plen, "output_tokens": args.output, "requests": args.requests,
-                            "concurrency": args.concurrency, "disaggregated": dis, "monolithic": mon,
-                            "ttft_ratio": dis["ttft_p50_ms"] / mon["ttft_p50_ms"],
-                            "itl_ratio": dis["itl_p50_ms"] / mon["itl_p50_ms"]})
-    header = (f"{'prompt':>6} {'TTFT p50 disagg':>16} {'TTFT p50 mono':>14} {'ratio':>6} {'ITL p50 disagg':>15} "
-              f"{'ITL p50 mono':>13} {'ratio':>6} {'KV MiB/req':>10}")
+            baseline[plen] = _measure(_addr(mono.server.host, mono.server.port), reqs, args.concurrency,
+                                      f"monolithic, prompt {plen}")
+        for link in links:
+            shaped = ShapedLink(args.shape_mbit) if link == "shaped" and args.shape_mbit else None
+            if shaped is not None:
+                os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the children inherit it
+            try:
+                for mode in modes:
+                    cfgs = mode_configs(instances, mode, shaped)
+                    lpath, paths = _write_launch(run.logdir, launch, cfgs, f"{mode}-{link}")
+                    with started(run.logdir / f"{mode}-{link}") as sub:
+                        targets = [(sub.start(c.engine_id, ["serve", p], wrap=shaped.wrap if shaped is not None
+                                              and c.role == "prefill" else None), _addr(c.server.host, c.server.port))
+                                   for c, p in zip(cfgs, paths, strict=True)]
+                        targets.append((sub.start("router", ["route", str(lpath)]),
+                                        _addr(launch.router.host, launch.router.port)))
+                        wait_ready(sub, targets, launch.ready_timeout_s)
+                        _warm_up(_addr(launch.router.host, launch.router.port), rng, vocab, min(args.prompts),
+                                 args.output, f"{mode}-{link}")
+                        for plen in args.prompts:
+                            reqs = [m.Generate(request_id=f"e2e-{mode}-{link}-{plen}-{i}", prompt=p,
+                                               max_tokens=args.output) for i, p in enumerate(prompts[plen])]
+                            dis = _measure(_addr(launch.router.host, launch.router.port), reqs, args.concurrency,
+                                           f"{mode}, {link} link, prompt {plen}")
+                            mon = baseline[plen]
+                            records.append({"mode": mode, "link": link, "shape_mbit": args.shape_mbit
+                                            if link == "shaped" else None, "prompt_tokens": plen,
+                                            "output_tokens": args.output, "requests": args.requests,
+                                            "concurrency": args.concurrency, "disaggregated": dis, "monolithic": mon,
+                                            "ttft_p50_ms": dis["ttft_p50_ms"], "ttft_p90_ms": dis["ttft_p90_ms"],
+                                            "itl_p50_ms": dis["itl_p50_ms"], "itl_p90_ms": dis["itl_p90_ms"],
+                                            "kv_bytes": dis["kv_bytes"],
+                                            "ttft_ratio": dis["ttft_p50_ms"] / mon["ttft_p50_ms"],
+                                            "itl_ratio": dis["itl_p50_ms"] / mon["itl_p50_ms"]})
+            finally:
+                if shaped is not None:
+                    shaped.close()
+    header = (f"{'mode':>4} {'link':>8} {'prompt':>6} {'TTFT p50 disagg':>16} {'TTFT p50 mono':>14} {'ratio':>6} "
+              f"{'ITL p50 disagg':>15} {'ITL p50 mono':>13} {'ratio':>6} {'KV MiB/req':>10} {'TTFT/pull':>9}")
     print(f"kvxfer bench e2e {args.launch}: {args.requests} requests per length, {args.output} output tokens, "
           f"concurrency {args.concurrency}; baseline: one monolithic instance, same run")
     print(header)
     print("-" * len(header))
+    pull = {(r["link"], r["prompt_tokens"]): r["ttft_p50_ms"] for r in records if r["mode"] == "pull"}
     for r in records:
         d, mo = r["disaggregated"], r["monolithic"]
-        print(f"{r['prompt_tokens']:>6} {d['ttft_p50_ms']:13.1f} ms {mo['ttft_p50_ms']:11.1f} ms "
-              f"{r['ttft_ratio']:6.2f} "
+        base = pull.get((r["link"], r["prompt_tokens"]))
+        r["ttft_vs_pull"] = r["ttft_p50_ms"] / base if base else None
+        vs = f"{r['ttft_vs_pull']:9.2f}" if r["ttft_vs_pull"] is not None else f"{'-':>9}"
+        print(f"{r['mode']:>4} {r['link']:>8} {r['prompt_tokens']:>6} {d['ttft_p50_ms']:13.1f} ms "
+              f"{mo['ttft_p50_ms']:11.1f} ms {r['ttft_ratio']:6.2f} "
               f"{d['itl_p50_ms']:12.2f} ms {mo['itl_p50_ms']:10.2f} ms {r['itl_ratio']:6.2f} "
-              f"{d['kv_bytes'] / r['requests'] / 2**20:10.2f}")
+              f"{d['kv_bytes'] / r['requests'] / 2**20:10.2f} {vs}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"launch": args.launch, "records": records}, indent=2))
+        args.json.write_text(json.dumps({"launch": args.launch, "modes": modes, "links": links,
+                                         "shape_mbit": args.shape_mbit, "records": records}, indent=2))
         print(f"wrote {args.json}")
     if args.plot:
         _plot(records, args.plot, args.launch)
@@ -112,11 +252,17 @@ def _plot(records: list[dict[str, Any]], path: Path, launch: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r["prompt_tokens"] for r in records]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    runs = sorted({(r["mode"], r["link"]) for r in records}, key=lambda t: (t[1], t[0]))
     for ax, key, what in ((a, "ttft_p50_ms", "time to first token"), (b, "itl_p50_ms", "inter-token latency")):
-        ax.plot(x, [r["disaggregated"][key] for r in records], "o-", label="disaggregated (prefill + decode)")
-        ax.plot(x, [r["monolithic"][key] for r in records], "s--", label="monolithic (baseline)")
+        for mode, link in runs:
+            rs = [r for r in records if r["mode"] == mode and r["link"] == link]
+            ax.plot([r["prompt_tokens"] for r in rs], [r["disaggregated"][key] for r in rs],
+                    "o-" if mode == "push" else "s-", alpha=1.0 if link == "shaped" else 0.6,
+                    label=f"{mode}, {link} link")
+        first = [r for r in records if (r["mode"], r["link"]) == runs[0]]
+        x = [r["prompt_tokens"] for r in first]
+        ax.plot(x, [r["monolithic"][key] for r in first], "k:", label="monolithic (baseline)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))

@@ -58,11 +58,12 @@ class Run:
     logdir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str]) -> Child:
+    def start(self, name: str, args: list[str], wrap: list[str] | None = None) -> Child:
+        """``kvxfer ARGS`` as a child; ``wrap`` runs it through another command (``ip netns exec NS``)."""
         log = self.logdir / f"{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvxfer", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "kvxfer", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         child = Child(name, proc, log)
         self.children.append(child)
         return child
