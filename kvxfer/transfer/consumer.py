@@ -22,9 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from kvxfer.cache.tensors import KVCache, MemoryRegion
@@ -38,25 +36,41 @@ from kvxfer.protocol import (
     ErrorReply,
     HandshakeResponse,
     KVTransferParams,
-    LayersReady,
     LeaseRenew,
-    Refusal,
     RemoteRank,
     compat_hash,
 )
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible, readers_of, remote_sources
 from kvxfer.transfer.aggregator import Finished
+from kvxfer.transfer.load import (
+    AbandonRequest,
+    AlreadyLoading,
+    Batch,
+    BeginLoad,
+    EndReservation,
+    Job,
+    Load,
+    LoadFailed,
+    Notice,
+    Peer,
+    PushNotice,
+    RenewNow,
+    Stop,
+    Wake,
+)
 from kvxfer.transfer.planner import (
     FUSED_REPACKABLE,
     SideLayout,
-    StagedPlan,
     check_alignment,
     concat,
     finish_staged,
     plan_direct,
     plan_staged,
 )
+from kvxfer.transfer.push_receiver import PushReceiver
+
+__all__ = ["AlreadyLoading", "Consumer", "LoadFailed"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,164 +82,7 @@ JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, 
 MAX_OUTCOMES = 4096  # finished requests whose outcome wait_layer still answers
 
 
-class AlreadyLoading(ValueError):
-    """``start_load`` of a request already loading: refused, and the load in flight goes on
-    (unlike other refusals, the producer's hold is still in use)."""
-
-
-class LoadFailed(RuntimeError):
-    """A load cannot go on; ``code`` says why for code, the message for people."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_PARAMS) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Peer:
-    """A handshaken producer rank."""
-
-    meta: HandshakeResponse
-    token: bytes
-    peer_id: str
-    side: SideLayout
-    host: str
-    port: int
-
-
-@dataclass(eq=False)
-class Batch:
-    """One read of a load from one producer rank: the single record of it while it is outstanding.
-
-    In flight on the data plane (``batch_id`` set, indexed in ``Consumer._in_flight``) or
-    refused as "not held" and waiting to be read again (``read_again_at`` set, in
-    ``Consumer._read_again``); never both. Worker thread only."""
-
-    load: Load
-    peer_id: str
-    descs: Descriptors
-    batch_id: int | None = None
-    read_again_at: float | None = None
-    rank: int = -1  # push: the producer rank, and which rows of its plan this read carries
-    rows: np.ndarray | None = None
-
-
-@dataclass(eq=False)
-class RankPush:
-    """What one producer rank pushes into a reservation: its whole plan, made at its first
-    notice, and which rows of it were issued and have landed. Worker thread only."""
-
-    peer: Peer
-    descs: Descriptors
-    first: np.ndarray  # per row: the first global layer of its remote region
-    stop: np.ndarray  # per row: one past its last layer
-    issued: np.ndarray
-    landed: np.ndarray
-
-
-@dataclass(eq=False)
-class PushState:
-    """A reservation's push progress (``Load.push``). ``landed`` is read by ``wait_layer``
-    under the consumer's lock; the rest belongs to the worker thread."""
-
-    num_tokens: int
-    reserved_until: float
-    needed: dict[int, list[SourceSlice]] | None = None  # producer rank -> slices, at the first notice
-    ranks: dict[int, RankPush] = field(default_factory=dict)
-    landed: set[int] = field(default_factory=set)  # layers whose every byte is here
-
-    def all_issued(self) -> bool:
-        return self.needed is not None and all(
-            rr in self.ranks and bool(self.ranks[rr].issued.all()) for rr in self.needed)
-
-
-@dataclass(eq=False)
-class Load:
-    """One request being loaded. Made by ``start_load`` (engine thread); from then on its mutable
-    fields belong to the worker thread."""
-
-    request_id: str
-    params: KVTransferParams | None  # push: None until the first producer rank says what it saved
-    local_blocks_full: np.ndarray  # one id per local block of the prompt, prefix hits included
-    skip_tokens: int
-    deadline: float
-    local_block_size: int = 1
-    batches: list[Batch] = field(default_factory=list)  # outstanding reads
-    staged: list[tuple[StagedPlan, Peer]] = field(default_factory=list)
-    peers: dict[int, Peer] = field(default_factory=dict)  # remote rank -> peer
-    failure: tuple[ErrorCode, str] | None = None  # the first failed read; reported once none is outstanding
-    nbytes: int = 0
-    started: float = field(default_factory=time.monotonic)
-    hold_wait_until: float = 0.0  # no more "not held" retries after this (consumer clock)
-    # stage stamps (time.monotonic, comparable across processes; 0: not reached): the worker
-    # picked the load up, its first read went to the plane, its last read came back
-    began_at: float = 0.0
-    issued_at: float = 0.0
-    read_at: float = 0.0
-    push: PushState | None = None  # a push reservation (None: a pull load)
-
-    @property
-    def source(self) -> KVTransferParams:
-        """The producer's params (a push load has them from its first notice on)."""
-        if self.params is None:
-            raise LoadFailed(f"request {self.request_id}: nothing pushed yet", ErrorCode.INTERNAL)
-        return self.params
-
-    @property
-    def invalid_blocks(self) -> list[int]:
-        """The blocks this load was to write (prefix-hit blocks stay valid)."""
-        return self.local_blocks_full[self.skip_tokens // self.local_block_size :].tolist()
-
-
-# ---------------------------------------------------------------- the worker's jobs (engine -> worker)
-@dataclass
-class _BeginLoad:
-    load: Load
-
-
-@dataclass
-class _AbandonRequest:
-    request_id: str
-    params: KVTransferParams
-    reason: str
-
-
-@dataclass
-class _LayersReady:
-    load: Load
-    msg: LayersReady
-
-
-@dataclass
-class _EndReservation:
-    load: Load
-    reason: str
-
-
-class _RenewNow:
-    """A request started waiting: renew its holds now (the lease may be short and half spent)."""
-
-
-class _Wake:
-    """The data plane finished a batch: poll it now rather than at the next tick."""
-
-
-class _Stop:
-    pass
-
-
-Job = _BeginLoad | _AbandonRequest | _LayersReady | _EndReservation | _RenewNow | _Wake | _Stop
-
-
-@dataclass
-class _Notice:
-    """A side-channel message to one producer rank (worker -> notifier thread)."""
-
-    rank: RemoteRank
-    msg: DoneNotice | Abandon | LeaseRenew
-
-
-class Consumer:
+class Consumer(PushReceiver):
     """Loads requests into this rank's cache: thread-safe entry points, one worker thread.
 
     Threads and what each owns:
@@ -233,8 +90,8 @@ class Consumer:
       ``abandon``, ``poll`` and ``close``; the side-channel thread calls ``layers_ready``;
     - the worker thread (``_run``) owns ``_peers``, ``_in_flight``, ``_read_again``, every
       ``Load``'s mutable fields and every ``Batch``; it alone calls the data plane (but for
-      the completion callback, which only queues a ``_Wake``);
-    - the notifier thread (``_notify_loop``) sends ``_Notice``s; it owns nothing else.
+      the completion callback, which only queues a ``Wake``);
+    - the notifier thread (``_notify_loop``) sends ``Notice``s; it owns nothing else.
     ``_loads``, ``_waiting``, ``_done``, ``_outcomes``, ``_broken`` and every push load's
     ``landed`` are shared: read and written under ``_lock`` (``_layer_cv`` is its condition).
 
@@ -283,13 +140,13 @@ class Consumer:
         self._broken: str | None = None  # why loading cannot go on on this rank
         self._ready = threading.Event()  # set whenever _done gains something
         self._jobs: queue.Queue[Job] = queue.Queue()
-        self._notices: queue.Queue[_Notice | None] = queue.Queue()
+        self._notices: queue.Queue[Notice | None] = queue.Queue()
         self._lock = threading.Lock()
         self._layer_cv = threading.Condition(self._lock)  # push: a layer landed, or a load finished
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not (wait_layer)
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
-        plane.set_completion_callback(lambda: self._jobs.put(_Wake()))
+        plane.set_completion_callback(lambda: self._jobs.put(Wake()))
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
         self._worker.start()
@@ -324,87 +181,14 @@ class Consumer:
                         local_block_size=L)
             self._loads[request_id] = load
             self.stats.load_started()
-        self._jobs.put(_BeginLoad(load))
+        self._jobs.put(BeginLoad(load))
         self._check_worker()  # a stopped worker would never begin it: fail it now
-
-    def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
-                num_cached_tokens: int = 0) -> None:
-        """Push mode: blocks reserved for a prompt a producer will push (checked, raising with
-        no state change); loads as the producer's notices come, until ``reservation_s``."""
-        ids = np.asarray(local_block_ids, dtype=np.int64)
-        L = self.cache.spec.block_size
-        if num_tokens < 1:
-            raise ValueError(f"request {request_id}: num_tokens must be >= 1, got {num_tokens}")
-        need = math.ceil(num_tokens / L)
-        if ids.ndim != 1 or len(ids) < need:
-            raise ValueError(f"request {request_id}: {num_tokens} tokens need {need} local blocks of {L}, "
-                             f"got {len(ids)}")
-        if ids[:need].min() < 0 or ids[:need].max() >= self.cache.num_blocks:
-            raise ValueError(f"request {request_id}: local block ids must be in [0, {self.cache.num_blocks})")
-        if len(np.unique(ids[:need])) != need:
-            raise ValueError(f"request {request_id}: local block ids repeat")
-        if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % L:
-            raise ValueError(f"request {request_id}: num_cached_tokens must be a multiple of {L} in "
-                             f"[0, {num_tokens})")
-        now = self.clock()
-        with self._lock:
-            if request_id in self._loads:
-                raise AlreadyLoading(f"request {request_id} is already loading")
-            if self._broken is not None:
-                raise RuntimeError(f"cannot reserve: {self._broken}")
-            self._waiting.pop(request_id, None)
-            self._outcomes.pop(request_id, None)
-            load = Load(request_id, None, ids[:need], num_cached_tokens, now + self.reservation_s, local_block_size=L,
-                        push=PushState(num_tokens, now + self.reservation_s))
-            load.began_at = time.monotonic()
-            self._loads[request_id] = load
-            self.stats.load_started()
-
-    def layers_ready(self, msg: LayersReady) -> Refusal | None:
-        """Side-channel thread: a producer rank saved layers of a reserved request. Refused when
-        the reservation is gone (released, expired, finished, never made) or the notice does not
-        fit it; otherwise the worker reads those layers."""
-        with self._lock:
-            load = self._loads.get(msg.request_id)
-        if load is None or load.push is None:
-            return Refusal(ErrorCode.UNKNOWN_REQUEST, f"no reservation {msg.request_id} on rank {self.rank} "
-                           "(never made, finished, released or expired)")
-        if load.deadline <= self.clock():
-            return Refusal(ErrorCode.EXPIRED, f"reservation {msg.request_id} expired")
-        src = msg.source
-        if len(src.ranks) != 1:
-            return Refusal(ErrorCode.BAD_PARAMS, f"a push notice names one producer rank, got {len(src.ranks)}")
-        if src.num_tokens != load.push.num_tokens:
-            return Refusal(ErrorCode.BAD_PARAMS, f"reservation {msg.request_id} is for {load.push.num_tokens} "
-                           f"tokens, the push carries {src.num_tokens}")
-        if any(not 0 <= layer < self.layout.num_layers for layer in msg.layers):
-            return Refusal(ErrorCode.BAD_PARAMS, f"layers outside 0..{self.layout.num_layers - 1}")
-        self._jobs.put(_LayersReady(load, msg))
-        return None
-
-    def wait_layer(self, request_id: str, layer: int, timeout_s: float) -> bool:
-        """Push mode: True once ``layer`` of the request has landed (or the whole load has);
-        False if it failed, is unknown, or ``timeout_s`` passed first."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        with self._layer_cv:
-            while True:
-                load = self._loads.get(request_id)
-                if load is None:
-                    return self._outcomes.get(request_id, False)
-                if load.push is not None and layer in load.push.landed:
-                    return True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._layer_cv.wait(remaining)
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request waits in the decode queue: keep its producer holds alive until loaded."""
         with self._lock:
             self._waiting[request_id] = params
-        self._jobs.put(_RenewNow())
+        self._jobs.put(RenewNow())
 
     def abandon(self, request_id: str, params: KVTransferParams | None, reason: str = "dropped") -> None:
         """The request will not be loaded: tell the producers to free it now. A push reservation
@@ -413,9 +197,9 @@ class Consumer:
             self._waiting.pop(request_id, None)
             load = self._loads.get(request_id)
         if load is not None and load.push is not None:
-            self._jobs.put(_EndReservation(load, reason))
+            self._jobs.put(EndReservation(load, reason))
         elif params is not None:
-            self._jobs.put(_AbandonRequest(request_id, params, reason))  # the worker knows the peers' tokens
+            self._jobs.put(AbandonRequest(request_id, params, reason))  # the worker knows the peers' tokens
 
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """What finished since the last call; with a timeout, wait (GIL released) for something."""
@@ -438,7 +222,7 @@ class Consumer:
 
     def close(self) -> None:
         self._stop.set()
-        self._jobs.put(_Stop())
+        self._jobs.put(Stop())
         self._notices.put(None)
         self._worker.join(timeout=10)
         self._notifier.join(timeout=10)
@@ -464,7 +248,7 @@ class Consumer:
                 job: Job | None = self._jobs.get(timeout=JOB_WAIT_S)
             except queue.Empty:
                 job = None
-            if isinstance(job, _Stop):
+            if isinstance(job, Stop):
                 break
             try:
                 next_renew = self._turn(job, next_renew)
@@ -473,16 +257,16 @@ class Consumer:
 
     def _turn(self, job: Job | None, next_renew: float) -> float:
         """One turn of the worker: the job, the plane's finished batches, retries, deadlines, renewals."""
-        if isinstance(job, _BeginLoad):
+        if isinstance(job, BeginLoad):
             self._begin(job.load)
-        elif isinstance(job, _AbandonRequest):
+        elif isinstance(job, AbandonRequest):
             self._send_abandon(job.params, job.reason)
-        elif isinstance(job, _LayersReady):
+        elif isinstance(job, PushNotice):
             self._guarded(job.load, self._on_layers_ready, job.msg)
-        elif isinstance(job, _EndReservation):
+        elif isinstance(job, EndReservation):
             if self._live(job.load):
                 self._fail(job.load, ErrorCode.CANCELLED, f"reservation ended by the engine: {job.reason}")
-        elif isinstance(job, _RenewNow):
+        elif isinstance(job, RenewNow):
             next_renew = self.clock()
         self._poll_plane()
         self._check_broken()
@@ -671,96 +455,6 @@ class Consumer:
         load.nbytes += descs.nbytes
         return descs
 
-    # ------------------------------------------------------------------ push
-    def _on_layers_ready(self, load: Load, msg: LayersReady) -> None:
-        """A producer rank saved layers: read whatever of them this rank needs and has not read."""
-        if not self._live(load):
-            return  # finished or failed meanwhile
-        ps = load.push
-        assert ps is not None
-        src, rr = msg.source, msg.source.ranks[0]
-        if load.params is None:
-            check_compatible(self.layout, src.layout)
-            check_alignment(load.skip_tokens, src.block_size, self.cache.spec.block_size)
-            if len(src.block_ids) < math.ceil(src.num_tokens / src.block_size):
-                raise LoadFailed(f"request {load.request_id}: the push carries {len(src.block_ids)} blocks for "
-                                 f"{src.num_tokens} tokens of {src.block_size}")
-            load.params = msgspec.structs.replace(src, ranks=[rr])
-            ps.needed = self._slices_by_rank(src)
-        else:
-            p = load.params
-            for f in ("request_id", "engine_id", "block_ids", "block_size", "layout"):
-                if getattr(src, f) != getattr(p, f):
-                    raise LoadFailed(f"request {load.request_id}: producer rank {rr.rank} pushes another {f} than "
-                                     f"rank {p.ranks[0].rank}")
-            known = {r.rank: r for r in p.ranks}
-            if rr.rank not in known:
-                load.params = msgspec.structs.replace(p, ranks=[*p.ranks, rr])
-            elif known[rr.rank] != rr:
-                raise LoadFailed(f"request {load.request_id}: producer rank {rr.rank} changed its address or "
-                                 "generation mid-push", ErrorCode.STALE_GENERATION)
-        assert ps.needed is not None
-        if rr.rank not in ps.needed:
-            return  # this rank reads nothing of that producer rank
-        load.deadline = min(ps.reserved_until, self.clock() + self.transfer_s)
-        rp = ps.ranks.get(rr.rank)
-        if rp is None:
-            peer = self._peer(src.engine_id, rr, load.source)
-            load.peers[rr.rank] = peer
-            descs = self._plan_rank(load, peer, ps.needed[rr.rank])
-            spans = sorted((r.region_id, r.layers[0], r.layers[1]) for r in peer.meta.regions)
-            table = np.array(spans, dtype=np.int64).reshape(-1, 3)
-            pos = np.searchsorted(table[:, 0], descs.remote_region)
-            n = len(descs)
-            rp = RankPush(peer, descs, table[pos, 1], table[pos, 2], np.zeros(n, bool), np.zeros(n, bool))
-            ps.ranks[rr.rank] = rp
-        saved = np.zeros(self.layout.num_layers, dtype=np.int64)
-        saved[np.asarray(msg.layers, dtype=np.int64)] = 1
-        cs = np.concatenate([[0], np.cumsum(saved)])
-        ready = (cs[rp.stop] - cs[rp.first]) == (rp.stop - rp.first)
-        rows = np.flatnonzero(ready & ~rp.issued)
-        if len(rows):
-            d = rp.descs
-            part = Descriptors(*(np.ascontiguousarray(getattr(d, f)[rows]) for f in
-                                 ("remote_region", "remote_offset", "local_region", "local_offset", "length")))
-            rp.issued[rows] = True
-            batch = Batch(load, rp.peer.peer_id, part, rank=rr.rank, rows=rows)
-            load.batches.append(batch)
-            self._issue(batch)
-        elif not load.batches and ps.all_issued():
-            self._complete(load)
-
-    def _landed(self, load: Load, batch: Batch) -> None:
-        """A push read came back: report the layers now whole (not for staged loads, whose
-        layers are usable only once repacked, at the end)."""
-        ps = load.push
-        if ps is None or batch.rows is None or ps.needed is None:
-            return
-        ps.ranks[batch.rank].landed[batch.rows] = True
-        if load.staged:
-            return
-        new = []
-        for layer in self.local_side_layers():
-            if layer in ps.landed:
-                continue
-            for rr, sls in ps.needed.items():
-                if not any(layer in s.layers for s in sls):
-                    continue
-                rp = ps.ranks.get(rr)
-                if rp is None or not rp.landed[(rp.first <= layer) & (rp.stop > layer)].all():
-                    break
-            else:
-                new.append(layer)
-        if new:
-            with self._layer_cv:
-                ps.landed.update(new)
-                self._done.layers.setdefault(load.request_id, []).extend(new)
-                self._ready.set()
-                self._layer_cv.notify_all()
-
-    def local_side_layers(self) -> range:
-        return range(self.local_side.first_layer, self.local_side.first_layer + self.local_side.num_layers)
-
     def _issue(self, batch: Batch) -> None:
         """Hand a read to the data plane (raises what the plane raises; the caller fails the load)."""
         # the producer knows the request by its own id, which may differ from ours
@@ -870,13 +564,13 @@ class Consumer:
                 self._outcome(load.request_id, True)
                 self._ready.set()
         for rr, peer in load.peers.items():
-            self._notices.put(_Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
+            self._notices.put(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
                                                                               peer.token)))
         if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
             for r in params.ranks:
                 tp, pp = r.rank % params.layout.tp_size, r.rank // params.layout.tp_size
                 if readers_of(params.layout, tp, pp, self.layout) == 0:
-                    self._notices.put(_Notice(r, self._done_notice(load, r.generation,
+                    self._notices.put(Notice(r, self._done_notice(load, r.generation,
                                                                    self._token_for(params.engine_id, r))))
         if not reported:
             return
@@ -940,7 +634,7 @@ class Consumer:
     def _send_abandon(self, p: KVTransferParams, reason: str) -> None:
         """Tell every producer rank of ``p`` to free the request now (worker thread: it knows the tokens)."""
         for r in p.ranks:
-            self._notices.put(_Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
+            self._notices.put(Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
                                                  reason=reason[:1000], token=self._token_for(p.engine_id, r))))
 
     def _renew_interval(self) -> float:
@@ -959,7 +653,7 @@ class Consumer:
                 by_rank.setdefault(key, (r, [], p.engine_id))[1].append(p.request_id)
         for r, ids, engine in by_rank.values():
             for a in range(0, len(ids), MAX_RENEW_IDS):
-                self._notices.put(_Notice(r, LeaseRenew(request_ids=ids[a : a + MAX_RENEW_IDS],
+                self._notices.put(Notice(r, LeaseRenew(request_ids=ids[a : a + MAX_RENEW_IDS],
                                                         generation=r.generation, token=self._token_for(engine, r))))
 
     def _notify_loop(self) -> None:

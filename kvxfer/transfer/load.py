@@ -1,0 +1,180 @@
+"""The consumer's records: a load, its reads, a push reservation's progress, and the jobs and
+notices its threads pass (see :class:`kvxfer.transfer.consumer.Consumer` for who owns what)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.dataplane import Descriptors
+from kvxfer.protocol import (
+    Abandon,
+    DoneNotice,
+    ErrorCode,
+    HandshakeResponse,
+    KVTransferParams,
+    LayersReady,
+    LeaseRenew,
+    RemoteRank,
+)
+from kvxfer.topology import SourceSlice
+from kvxfer.transfer.planner import SideLayout, StagedPlan
+
+
+class AlreadyLoading(ValueError):
+    """``start_load`` of a request already loading: refused, and the load in flight goes on
+    (unlike other refusals, the producer's hold is still in use)."""
+
+
+class LoadFailed(RuntimeError):
+    """A load cannot go on; ``code`` says why for code, the message for people."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_PARAMS) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Peer:
+    """A handshaken producer rank."""
+
+    meta: HandshakeResponse
+    token: bytes
+    peer_id: str
+    side: SideLayout
+    host: str
+    port: int
+
+
+@dataclass(eq=False)
+class Batch:
+    """One read of a load from one producer rank: the single record of it while it is outstanding.
+
+    In flight on the data plane (``batch_id`` set, indexed in ``Consumer._in_flight``) or
+    refused as "not held" and waiting to be read again (``read_again_at`` set, in
+    ``Consumer._read_again``); never both. Worker thread only."""
+
+    load: Load
+    peer_id: str
+    descs: Descriptors
+    batch_id: int | None = None
+    read_again_at: float | None = None
+    rank: int = -1  # push: the producer rank, and which rows of its plan this read carries
+    rows: np.ndarray | None = None
+
+
+@dataclass(eq=False)
+class RankPush:
+    """What one producer rank pushes into a reservation: its whole plan, made at its first
+    notice, and which rows of it were issued and have landed. Worker thread only."""
+
+    peer: Peer
+    descs: Descriptors
+    first: np.ndarray  # per row: the first global layer of its remote region
+    stop: np.ndarray  # per row: one past its last layer
+    issued: np.ndarray
+    landed: np.ndarray
+
+
+@dataclass(eq=False)
+class PushState:
+    """A reservation's push progress (``Load.push``). ``landed`` is read by ``wait_layer``
+    under the consumer's lock; the rest belongs to the worker thread."""
+
+    num_tokens: int
+    reserved_until: float
+    needed: dict[int, list[SourceSlice]] | None = None  # producer rank -> slices, at the first notice
+    ranks: dict[int, RankPush] = field(default_factory=dict)
+    landed: set[int] = field(default_factory=set)  # layers whose every byte is here
+
+    def all_issued(self) -> bool:
+        return self.needed is not None and all(
+            rr in self.ranks and bool(self.ranks[rr].issued.all()) for rr in self.needed)
+
+
+@dataclass(eq=False)
+class Load:
+    """One request being loaded. Made by ``start_load`` (engine thread); from then on its mutable
+    fields belong to the worker thread."""
+
+    request_id: str
+    params: KVTransferParams | None  # push: None until the first producer rank says what it saved
+    local_blocks_full: np.ndarray  # one id per local block of the prompt, prefix hits included
+    skip_tokens: int
+    deadline: float
+    local_block_size: int = 1
+    batches: list[Batch] = field(default_factory=list)  # outstanding reads
+    staged: list[tuple[StagedPlan, Peer]] = field(default_factory=list)
+    peers: dict[int, Peer] = field(default_factory=dict)  # remote rank -> peer
+    failure: tuple[ErrorCode, str] | None = None  # the first failed read; reported once none is outstanding
+    nbytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    hold_wait_until: float = 0.0  # no more "not held" retries after this (consumer clock)
+    # stage stamps (time.monotonic, comparable across processes; 0: not reached): the worker
+    # picked the load up, its first read went to the plane, its last read came back
+    began_at: float = 0.0
+    issued_at: float = 0.0
+    read_at: float = 0.0
+    push: PushState | None = None  # a push reservation (None: a pull load)
+
+    @property
+    def source(self) -> KVTransferParams:
+        """The producer's params (a push load has them from its first notice on)."""
+        if self.params is None:
+            raise LoadFailed(f"request {self.request_id}: nothing pushed yet", ErrorCode.INTERNAL)
+        return self.params
+
+    @property
+    def invalid_blocks(self) -> list[int]:
+        """The blocks this load was to write (prefix-hit blocks stay valid)."""
+        return self.local_blocks_full[self.skip_tokens // self.local_block_size :].tolist()
+
+
+# ---------------------------------------------------------------- the worker's jobs (engine -> worker)
+@dataclass
+class BeginLoad:
+    load: Load
+
+
+@dataclass
+class AbandonRequest:
+    request_id: str
+    params: KVTransferParams
+    reason: str
+
+
+@dataclass
+class PushNotice:
+    load: Load
+    msg: LayersReady
+
+
+@dataclass
+class EndReservation:
+    load: Load
+    reason: str
+
+
+class RenewNow:
+    """A request started waiting: renew its holds now (the lease may be short and half spent)."""
+
+
+class Wake:
+    """The data plane finished a batch: poll it now rather than at the next tick."""
+
+
+class Stop:
+    pass
+
+
+Job = BeginLoad | AbandonRequest | PushNotice | EndReservation | RenewNow | Wake | Stop
+
+
+@dataclass
+class Notice:
+    """A side-channel message to one producer rank (worker -> notifier thread)."""
+
+    rank: RemoteRank
+    msg: DoneNotice | Abandon | LeaseRenew
