@@ -59,6 +59,7 @@ OPTIONS = {"timeout_s", "host"}
 MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
 GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
+DISCONNECT_WAIT_S = 5.0  # disconnect waits this long at most for the read thread to drop the peer
 _NO_JOB = object()
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -181,8 +182,13 @@ class CmaDataPlane(HostRegionPlane):
         self._wake()
 
     def disconnect(self, peer_id: str) -> None:
-        self._jobs.put(("disconnect", peer_id))
+        """Forget a peer; returns once the read thread (the only one that copies) has dropped it,
+        so no copy for it runs after this: a failed load's blocks are not written once reported."""
+        dropped = threading.Event()
+        self._jobs.put(("disconnect", (peer_id, dropped)))
         self._wake()
+        if threading.current_thread() is not self._read_thread and self._read_thread.is_alive():
+            dropped.wait(DISCONNECT_WAIT_S)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
@@ -246,7 +252,7 @@ class CmaDataPlane(HostRegionPlane):
                 self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
                                                 f"peer {peer_id}: {describe(e)}"))
             return False
-        peer_id = arg[0] if kind == "connect" else arg
+        peer_id = arg[0]
         try:
             self._drop(peer_id, ConnectionError("disconnected"))
             if kind == "connect":
@@ -258,6 +264,9 @@ class CmaDataPlane(HostRegionPlane):
                 self._peers[peer_id] = peer
         except Exception as e:
             report("cma reads", e, f"{kind} {peer_id}")
+        finally:
+            if kind == "disconnect":
+                arg[1].set()  # dropped (or failed to): the caller waits no longer
         return False
 
     def _drop(self, peer_id: str, why: Exception) -> None:

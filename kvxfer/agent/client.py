@@ -70,7 +70,9 @@ logger = logging.getLogger(__name__)
 
 AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
 COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
-AGENT_GRACE_S = 5.0  # past a load's deadline (transfer_s) the agent itself fails it; this much later, we do
+# past a load's deadline the agent itself fails it; this much later, we do (kill it: hung). Generous: an
+# agent starved of CPU on a loaded host (seen with a load average of 50 on 2 cores) is late, not hung
+AGENT_GRACE_S = 15.0
 MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
 
 

@@ -188,6 +188,8 @@ class Instance:
                                          remote_block_size=msg.remote_block_size))
         elif isinstance(msg, m.Decode) and self._reserved(msg.request_id) is not None:
             self._continue_push(ident, msg)
+        elif isinstance(msg, m.Decode) and msg.pushed:  # a push this instance already finished (or failed)
+            logger.info("request %s: pushed, but no longer here; ignored", msg.request_id)
         elif isinstance(msg, m.Decode):
             if self.cfg.role == "prefill":
                 raise ValueError(f"{self.cfg.engine_id} is a prefill instance; it does not decode")
@@ -225,10 +227,12 @@ class Instance:
                              f"{len(target.ranks)} ranks for a prompt of {num_tokens}")
 
     def _reserved(self, rid: str) -> Seq | None:
-        """A push reservation of this decode instance: queued, loading, or landed."""
+        """A push request of this decode instance: queued for blocks, loading, landed, or (its
+        push failed) being computed here."""
         seq = self.loading.get(rid) or self.pushed.get(rid)
         if seq is None:
-            seq = next((q for q in self.decode_queue if q.request_id == rid and q.push), None)
+            seq = next((q for q in (*self.decode_queue, *self.prefill_queue, *self.running) if q.request_id == rid),
+                       None)
         return seq if seq is not None and seq.push else None
 
     def _continue_push(self, ident: bytes, msg: m.Decode) -> None:
@@ -239,10 +243,13 @@ class Instance:
         assert seq is not None
         seq.reply_to = ident
         if msg.pushed and msg.first_token is not None:
-            seq.first_token = msg.first_token
+            if seq.first_token is None and seq not in self.running:
+                seq.first_token = msg.first_token
             landed = self.pushed.pop(rid, None)
             if landed is not None:
                 self._start_decoding(landed)
+            return
+        if seq in self.prefill_queue or seq in self.running:  # its push failed: computed here already
             return
         if seq in self.decode_queue:
             self.decode_queue.remove(seq)

@@ -248,7 +248,11 @@ class Worker:
         def saved(layer: int) -> None:  # push: this layer's K/V of every span is written
             assert conn is not None
             for rid in saves:
-                conn.save_layer(rid, layer)
+                try:
+                    conn.save_layer(rid, layer)
+                except (ValueError, RuntimeError) as e:  # the push is over (hold released, agent gone):
+                    # the forward pass goes on; the decode side fails its load and computes the prompt
+                    logger.warning("rank %d: request %s: layer %d not pushed: %s", self.rank, rid, layer, e)
 
         hidden = model.forward_layers(hidden, spans, self.cache, after_layer=saved if saves and conn else None)
         if not model.last_stage:
