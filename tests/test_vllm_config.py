@@ -4,6 +4,7 @@ the unit under test is kvxfer's mapping, not vLLM)."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,14 +19,14 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def vllm_config(extra: dict[str, Any] | None = None, role: str = "kv_consumer", tp: int = 1) -> Any:
+def vllm_config(extra: dict[str, Any] | None = None, role: str = "kv_consumer", tp: int = 1, pp: int = 1) -> Any:
     hf = SimpleNamespace(num_attention_heads=8)
     model = SimpleNamespace(hf_text_config=hf, served_model_name="org/My Model", model="/models/m",
                             get_total_num_hidden_layers=lambda: 4, get_total_num_kv_heads=lambda: 4,
                             get_head_size=lambda: 64)
     kvt = SimpleNamespace(kv_connector_extra_config=extra or {}, kv_role=role, engine_id="0a9abb4a-09ba")
     return SimpleNamespace(kv_transfer_config=kvt, model_config=model,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                            cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"))
 
 
@@ -166,3 +167,35 @@ def test_vllm_finds_the_connector_by_name_through_the_plugin_and_by_module_path(
     by_path = KVConnectorFactory.get_connector_class(
         SimpleNamespace(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm"))
     assert by_name is by_path is vllm_adapter.KvxferConnector
+
+
+def test_pipeline_stages_take_vllms_layer_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM gives an uneven split's extra layers to the middle stages (and honours
+    VLLM_PP_LAYER_PARTITION); kvxfer's own even split would put them first and refuse the caches."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    _, cfg = vllm_adapter.instance_config(vllm_config(pp=3), 64)  # 4 layers on 3 stages
+    assert cfg.parallel.pp == 3 and cfg.parallel.layer_partition == [1, 2, 1]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,1,1")
+    _, cfg = vllm_adapter.instance_config(vllm_config(pp=3), 64)
+    assert cfg.parallel.layer_partition == [2, 1, 1]
+    _, cfg = vllm_adapter.instance_config(vllm_config(), 64)
+    assert cfg.parallel.layer_partition is None
+
+
+def test_the_transfer_agent_starts_unpinned_and_the_worker_keeps_its_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM pins a CPU worker (and sets OpenMP's binding); the agent it starts must not inherit that."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs sched_setaffinity and two CPUs")
+    mine = os.sched_getaffinity(0)
+    one = {min(mine)}
+    monkeypatch.setenv("OMP_PLACES", "{0}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    os.sched_setaffinity(0, one)
+    try:
+        with vllm_adapter._spawning_unpinned():
+            assert os.sched_getaffinity(0) == mine, "a child started here may run on every CPU"
+            assert "OMP_PLACES" not in os.environ and "OMP_PROC_BIND" not in os.environ
+        assert os.sched_getaffinity(0) == one, "the worker keeps its own core"
+        assert os.environ["OMP_PLACES"] == "{0}" and os.environ["OMP_PROC_BIND"] == "true"
+    finally:
+        os.sched_setaffinity(0, mine)

@@ -24,6 +24,7 @@ K rows then V rows per head: kvxfer's ``kv_fused`` HND layout.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -223,6 +224,16 @@ def fused_order(vllm_config: VllmConfig, dtype: CacheDtype) -> str:
     return "vec" if isa in ("vec", "vec16") else isa
 
 
+def layer_partition(num_layers: int, pp: int) -> list[int] | None:
+    """vLLM's layers per pipeline stage (``get_pp_indices``: its own split, or ``VLLM_PP_LAYER_PARTITION``),
+    which can differ from kvxfer's even split (4 layers on 3 stages: vLLM 1, 2, 1; kvxfer 2, 1, 1)."""
+    if pp == 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    return [end - start for start, end in (get_pp_indices(num_layers, r, pp) for r in range(pp))]
+
+
 def instance_config(vllm_config: VllmConfig, num_blocks: int,
                     dtype: CacheDtype = "float32") -> tuple[VllmSettings, InstanceConfig]:
     """The kvxfer view of a vLLM instance: role, geometry from vLLM, connector from the settings."""
@@ -245,7 +256,8 @@ def instance_config(vllm_config: VllmConfig, num_blocks: int,
         cache=CacheConfig(block_size=vllm_config.cache_config.block_size, num_blocks=max(num_blocks, 1),
                           layout="HND", kv_fused=True, fused_order=fused_order(vllm_config, dtype), dtype=dtype,
                           huge_pages=False),
-        parallel=ParallelConfig(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size),
+        parallel=ParallelConfig(tp=pc.tensor_parallel_size, pp=pc.pipeline_parallel_size,
+                                layer_partition=layer_partition(model.num_layers, pc.pipeline_parallel_size)),
         connector=s.connector,
     )
 
@@ -314,6 +326,40 @@ def _log_to_stderr() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
         root.addHandler(handler)
         root.setLevel(level.upper())
+
+
+# what vLLM's CPU workers set to bind OpenMP (vllm.utils.ompmultiprocessing): a child's OpenMP
+# runtime would bind the child's own main thread to the worker's cores at start
+OMP_BINDING = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+@contextlib.contextmanager
+def _spawning_unpinned() -> Iterator[None]:
+    """While kvxfer starts this rank's transfer agent: it may run on every CPU, not only its worker's.
+
+    vLLM's CPU workers pin their thread to the cores of ``VLLM_CPU_OMP_THREADS_BIND`` and set
+    OpenMP's binding variables; a child inherits both, and its OpenMP runtime binds it again at
+    start. An agent pinned to its worker's cores waits behind the engine's busy loop (vLLM keeps
+    stepping while a transfer is pending): with a TP 2 server and its decode peer on two cores,
+    an agent's side channel went unanswered until the hold's lease ran out, and every load failed.
+    Unpinned, the kernel runs it where a core is free.
+    The worker's own mask and environment come back as soon as the agent has started.
+    """
+    getter, setter = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    saved_env = {k: os.environ.pop(k) for k in OMP_BINDING if k in os.environ}
+    mine = getter(0) if getter is not None else None
+    try:
+        if setter is not None and mine is not None:
+            try:
+                setter(0, range(os.cpu_count() or 1))  # the kernel keeps the CPUs this process's cpuset allows
+            except OSError as e:
+                mine = None
+                logger.warning("the transfer agent starts on its worker's CPUs (%s)", e)
+        yield
+    finally:
+        if setter is not None and mine is not None:
+            setter(0, mine)
+        os.environ.update(saved_env)
 
 
 def _params_of(request: Request) -> KVTransferParams | None:
@@ -447,8 +493,9 @@ class KvxferConnector(KVConnectorBase_V1):
             raise ValueError(f"register_kv_caches: rank {rank} has layers {layers}, kvxfer's partition gives "
                              f"{list(spec.layers)}")
         cache = KVCache(spec=spec, num_blocks=first.shape[0], tensors=[by_layer[i] for i in layers], names=[])
-        self.connector = Connector.from_config(self.cfg, rank)
-        self.connector.register_kv_caches(cache)
+        with _spawning_unpinned():
+            self.connector = Connector.from_config(self.cfg, rank)
+            self.connector.register_kv_caches(cache)
         if self.settings.metrics_port is not None:
             port = self.settings.metrics_port + rank if self.settings.metrics_port else 0
             self.metrics_server = MetricsServer(self.settings.metrics_host, port)

@@ -38,8 +38,12 @@ def free_port() -> int:
 
 
 def kv_transfer_config(connector: str, role: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for ``connector`` "kvxfer" or "nixl" and role prefill/decode."""
-    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    """vLLM's ``--kv-transfer-config`` for ``connector`` "kvxfer" or "nixl" and role prefill, decode or
+    both (``kv_both``: one server that prefills for others and decodes from others)."""
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+    if role not in roles:
+        raise ValueError(f"role: expected one of {sorted(roles)}, got {role!r}")
+    kv_role = roles[role]
     cfg: dict[str, Any] = {"kv_role": kv_role, "kv_load_failure_policy": "recompute"}
     if connector == "kvxfer":
         cfg["kv_connector"] = "KvxferConnector"
@@ -59,15 +63,19 @@ class VllmServer:
                  extra: Mapping[str, Any] | None = None, dtype: str = "bfloat16", cpu: str | None = None,
                  log: str | Path | None = None, env: Mapping[str, str] | None = None,
                  served_name: str = "tiny", max_model_len: int = 1024, args: Sequence[str] = (),
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, eager: bool = True) -> None:
         """``args``: more of vLLM's command line (``--block-size 64``); ``prefix_caching``: vLLM's
-        default is on, off here unless asked (a test of transfers wants every prompt moved)."""
+        default is on, off here unless asked (a test of transfers wants every prompt moved);
+        ``eager``: ``--enforce-eager`` (quick to start). vLLM 0.32's CPU build needs it off for
+        ``--pipeline-parallel-size`` > 1: an eager CPU worker skips the warm-up run that allocates
+        the buffers a later pipeline stage receives into, and the first request fails
+        (``assert self.intermediate_tensors is not None``)."""
         self.port = port
         self.role = role
         self.log_path = Path(log) if log else Path(f"/tmp/kvxfer-vllm-{role}-{port}.log")
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+                "--dtype", dtype, *(["--enforce-eager"] if eager else []), "--max-model-len", str(max_model_len),
                 "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--max-num-seqs", "8",
                 "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role, extra)), *args]
         e = dict(os.environ)
