@@ -42,7 +42,8 @@ EnvVarName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 Role = Literal["prefill", "decode", "both"]
 Layout = Literal["NHD", "HND"]
-CacheDtype = Literal["float32", "float16", "bfloat16", "float64", "uint8"]
+# fp8_*: a float8 cache moved as raw bytes, scales not included (vLLM's --kv-cache-dtype fp8*)
+CacheDtype = Literal["float32", "float16", "bfloat16", "float64", "uint8", "fp8_e4m3", "fp8_e5m2"]
 ModelDtype = Literal["float32", "float64"]
 HashAlgo = Literal["xxh3_128", "sha256"]
 TransferMode = Literal["pull", "push"]

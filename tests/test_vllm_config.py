@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import kvxfer.integrations.vllm as vllm_adapter  # needs vLLM: the vllm-test extra, as the README's command installs
 from kvxfer.config import ConfigError
@@ -180,6 +182,48 @@ def test_pipeline_stages_take_vllms_layer_partition(monkeypatch: pytest.MonkeyPa
     assert cfg.parallel.layer_partition == [2, 1, 1]
     _, cfg = vllm_adapter.instance_config(vllm_config(), 64)
     assert cfg.parallel.layer_partition is None
+
+
+def _caches(*dtypes: torch.dtype) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 4, 16, 128, dtype=d) for i, d in enumerate(dtypes)}
+
+
+@pytest.mark.parametrize(("cache_dtype", "tensors", "want"), [
+    ("auto", torch.bfloat16, "bfloat16"),
+    ("auto", torch.float32, "float32"),
+    (None, torch.float16, "float16"),
+    ("fp8", torch.uint8, "fp8_e4m3"),  # vLLM's fp8 is e4m3
+    ("fp8_e4m3", torch.uint8, "fp8_e4m3"),
+    ("fp8_e5m2", torch.uint8, "fp8_e5m2"),
+])
+def test_the_kv_dtype_comes_from_vllms_cache_dtype(cache_dtype: str | None, tensors: torch.dtype, want: str) -> None:
+    assert vllm_adapter.kv_dtype(cache_dtype, _caches(tensors, tensors)) == want
+
+
+@pytest.mark.parametrize(("cache_dtype", "tensors", "match"), [
+    ("fp8_inc", (torch.float8_e4m3fn,), "--kv-cache-dtype fp8_inc is not one kvxfer moves"),
+    ("turboquant_k8v4", (torch.uint8,), "is not one kvxfer moves (auto, fp8, fp8_e4m3, fp8_e5m2)"),
+    ("auto", (torch.uint8,), "KV dtype torch.uint8 is not one kvxfer moves"),
+    ("fp8", (torch.bfloat16,), "--kv-cache-dtype fp8 but the KV tensors are torch.bfloat16"),
+    ("fp8", (torch.uint8, torch.bfloat16), "KV tensors of 2 dtypes"),  # --kv-cache-dtype-skip-layers
+])
+def test_a_kv_dtype_kvxfer_cannot_move_is_refused_by_name(cache_dtype: str, tensors: tuple[torch.dtype, ...],
+                                                          match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        vllm_adapter.kv_dtype(cache_dtype, _caches(*tensors))
+
+
+def test_an_fp8_cache_is_moved_as_its_float8_bytes() -> None:
+    """vLLM's uint8 tensor, viewed as kvxfer's float8 dtype: the same memory, whole fused blocks."""
+    from kvxfer.cache.spec import KVCacheSpec
+    from kvxfer.cache.tensors import KVCache
+
+    raw = torch.randint(0, 256, (3, 2, 16, 64), dtype=torch.uint8)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_size=32, block_size=16, dtype="fp8_e5m2", layout="HND",
+                       kv_fused=True)
+    cache = KVCache(spec=spec, num_blocks=3, tensors=[raw.view(torch.float8_e5m2)], names=[])
+    assert cache.tensors[0].data_ptr() == raw.data_ptr() and spec.bytes_per_block == 2 * 16 * 64
+    assert torch.equal(cache.block_bytes(0, 1), raw[1].flatten())
 
 
 def test_the_transfer_agent_starts_unpinned_and_the_worker_keeps_its_pinning(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,8 @@ TORCH_DTYPES: dict[CacheDtype, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
     "uint8": torch.uint8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 
 

@@ -224,6 +224,38 @@ def fused_order(vllm_config: VllmConfig, dtype: CacheDtype) -> str:
     return "vec" if isa in ("vec", "vec16") else isa
 
 
+# vLLM's --kv-cache-dtype values kvxfer moves, and the dtype it gives them ("auto": the model's)
+FP8_CACHE_DTYPES: dict[str, CacheDtype] = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+MODEL_CACHE_DTYPES: tuple[CacheDtype, ...] = ("float32", "float16", "bfloat16")
+
+
+def kv_dtype(cache_dtype: str | None, kv_caches: dict[str, torch.Tensor]) -> CacheDtype:
+    """kvxfer's dtype for vLLM's KV tensors (``cache_dtype``: vLLM's ``--kv-cache-dtype``).
+
+    An fp8 cache is a uint8 tensor in vLLM: kvxfer moves its bytes as the named float8 type, so
+    a peer with the other fp8 format (or none) is refused at the handshake, not read as garbage.
+    Its scales are not moved: both sides must have the same (vLLM's default 1.0, or the same
+    checkpoint's). ValueError names what kvxfer cannot move."""
+    cd = cache_dtype or "auto"
+    found = {t.dtype for t in kv_caches.values()}
+    if len(found) != 1:
+        raise ValueError(f"register_kv_caches: KV tensors of {len(found)} dtypes ({sorted(map(str, found))}; "
+                         "--kv-cache-dtype-skip-layers?): kvxfer moves one dtype per cache")
+    (t,) = found
+    if cd in FP8_CACHE_DTYPES:
+        if t.itemsize != 1:
+            raise ValueError(f"register_kv_caches: --kv-cache-dtype {cd} but the KV tensors are {t}")
+        return FP8_CACHE_DTYPES[cd]
+    if cd not in ("auto", *MODEL_CACHE_DTYPES):
+        raise ValueError(f"register_kv_caches: --kv-cache-dtype {cd} is not one kvxfer moves (auto, "
+                         f"{', '.join(FP8_CACHE_DTYPES)})")
+    dtype = next((k for k in MODEL_CACHE_DTYPES if TORCH_DTYPES[k] == t), None)
+    if dtype is None:
+        raise ValueError(f"register_kv_caches: KV dtype {t} is not one kvxfer moves ({', '.join(MODEL_CACHE_DTYPES)}, "
+                         f"or fp8 with --kv-cache-dtype {'/'.join(FP8_CACHE_DTYPES)})")
+    return dtype
+
+
 def layer_partition(num_layers: int, pp: int) -> list[int] | None:
     """vLLM's layers per pipeline stage (``get_pp_indices``: its own split, or ``VLLM_PP_LAYER_PARTITION``),
     which can differ from kvxfer's even split (4 layers on 3 stages: vLLM 1, 2, 1; kvxfer 2, 1, 1)."""
@@ -482,9 +514,8 @@ class KvxferConnector(KVConnectorBase_V1):
             by_layer[int(m.group(1))] = t
         layers = sorted(by_layer)
         first = next(iter(by_layer.values()))
-        dtype = next((k for k, v in TORCH_DTYPES.items() if v == first.dtype), None)
-        if dtype is None:
-            raise ValueError(f"register_kv_caches: KV dtype {first.dtype} is not one kvxfer moves")
+        dtype = kv_dtype(self._vllm_config.cache_config.cache_dtype, kv_caches)
+        by_layer = {i: t.view(TORCH_DTYPES[dtype]) for i, t in by_layer.items()}  # fp8: vLLM's uint8, as float8
         self.settings, self.cfg = instance_config(self._vllm_config, first.shape[0], dtype)
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
         rank = pp_rank * self.cfg.parallel.tp + tp_rank
