@@ -41,9 +41,9 @@ class Push:
         self.decode = [start(push_consumer_main, enc(dcfg), r, rid, ntok, D_BLOCKS, timeout_s=timeout_s,
                              num_cached_tokens=num_cached_tokens) for r in range(dcfg.world_size)]
         self.prefill = [start(push_producer_main, enc(pcfg), r) for r in range(pcfg.world_size)]
-        self.target = merge_targets([PushTarget.from_bytes(recv(c, 60)[1]) for _, c in self.decode])
+        self.target = merge_targets([PushTarget.from_bytes(recv(c, 120)[1]) for _, c in self.decode])
         for _, c in self.prefill:
-            recv(c, 60)
+            recv(c, 120)  # a loaded machine starts processes slowly
 
     def push(self, after: int = 0, delay_s: float = 0.0, target: PushTarget | None = None) -> None:
         blocks = P_BLOCKS[: -(-self.ntok // self.pcfg.cache.block_size)]
@@ -53,7 +53,7 @@ class Push:
 
     def pushed(self) -> None:
         for _, c in self.prefill:
-            recv(c, 60)
+            recv(c, 120)
 
     def results(self, timeout: float = 90.0) -> list[tuple[Any, ...]]:
         return [recv(c, timeout)[1:] for _, c in self.decode]
