@@ -1,9 +1,11 @@
 """Different tensor- and pipeline-parallel sizes on the two sides of a real vLLM pair, both ways.
 
 Three vLLM CPU servers run at once, each ``kv_both`` (it prefills for the others and decodes
-from them): TP 2 (``VLLM_CPU_OMP_THREADS_BIND=0|1``, a worker per core), PP 2 (two stages; vLLM
-0.32's CPU build runs pipeline parallelism only without ``--enforce-eager``) and TP 1. Four
-directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
+from them): TP 2, PP 2 (two stages; vLLM 0.32's CPU build runs pipeline parallelism only without
+``--enforce-eager``) and TP 1. Every worker is pinned to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0|0``):
+vLLM's workers spin while a transfer is pending, and with spinning workers pinned to both cores
+the transfer agents waited seconds for a CPU (vLLM reserves cores for its engine and connector;
+here core 1 is that). Four directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
 (vLLM counts it as external tokens, kvxfer's ranks receive exactly its blocks between them, no
 load fails), decode equals what the decode server computes on its own, token for token, and
 both pools end empty.
@@ -69,8 +71,8 @@ def _free_port_pair() -> int:
 def servers(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp("vllm-tp-pp")
     shapes = {  # name: (vLLM arguments, cores, ranks, eager)
-        "tp2": (["--tensor-parallel-size", "2"], "0|1", 2, True),
-        "pp2": (["--pipeline-parallel-size", "2"], "1|0", 2, False),
+        "tp2": (["--tensor-parallel-size", "2"], "0|0", 2, True),
+        "pp2": (["--pipeline-parallel-size", "2"], "0|0", 2, False),
         "tp1": ([], "0", 1, True),
     }
     out: Servers = {}
