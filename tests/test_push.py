@@ -96,7 +96,12 @@ def conn(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("case", PUSH_CASES)
+# every case on tcp; on cma and ucx the cases that exercise their own paths (direct, gathered heads, staged)
+MATRIX = [("tcp", c) for c in PUSH_CASES] + [(p, c) for p in ("cma", "ucx") for c in
+                                            ("same layout", "HND 16 -> NHD 64", "prefill TP2 -> decode TP1")]
+
+
+@pytest.mark.parametrize(("conn", "case"), MATRIX, ids=[f"{p}-{c}" for p, c in MATRIX])
 def test_push_is_bit_exact(case: str, conn: str) -> None:
     pkw, dkw = CASES[case]
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn, **pkw), make_cfg("decode", "D", connector=conn, **dkw)
