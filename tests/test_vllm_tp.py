@@ -54,6 +54,16 @@ class Server:
 Servers = dict[str, Server]
 
 
+def problems(*servers: Server) -> str:
+    """kvxfer's warnings and the errors in the servers' logs, for a failure message (CI keeps no temp dirs)."""
+    out = []
+    for s in servers:
+        text = s.vllm.log_path.read_text(errors="replace").splitlines()
+        out += [f"{s.vllm.log_path.name}: {ln.strip()}" for ln in text
+                if (" WARNING " in ln and "kvxfer" in ln) or " ERROR " in ln][-15:]
+    return "\n".join(out) or "(no kvxfer warning or error in the server logs)"
+
+
 def _free_port_pair() -> int:
     """A free port whose next port is free too (rank 1's metrics endpoint)."""
     for _ in range(50):
@@ -98,13 +108,13 @@ def test_prompts_load_across_parallel_layouts(servers: Servers, p: str, d: str) 
     for prompt in PROMPTS:
         ref = token_ids(local(ds.vllm.url, prompt, MAX_TOKENS))
         got = token_ids(disaggregated(ps.vllm.url, ds.vllm.url, prompt, MAX_TOKENS))
-        assert got == ref, f"{len(prompt)}-token prompt, {p} -> {d}: decode differs from local\n{ds.vllm.errors()}"
+        assert got == ref, f"{len(prompt)}-token prompt, {p} -> {d}: decode differs from local\n{problems(ps, ds)}"
     after = ds.kvxfer()
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("kvxfer_loads_failed_total") == 0, ds.vllm.errors()
+    assert delta("kvxfer_loads_failed_total") == 0, problems(ps, ds)
     assert delta("kvxfer_loads_ok_total") == len(PROMPTS) * ds.world, "every decode rank loaded its part"
     blocks = sum(math.ceil(len(x) / BLOCK) for x in PROMPTS)
     assert delta("kvxfer_bytes_received_total") == blocks * block_bytes(DTYPE), \
