@@ -271,10 +271,15 @@ class Connector:
         if self.device_cache is not None and not streaming:  # on the host before anyone reads them
             copy_blocks(self.device_cache, self.cache, ids[:need])
         self.holds.hold(request_id, ids[:need], num_tokens, streaming=streaming)
+        return self._params(request_id, ids[:need], num_tokens)
+
+    def _params(self, request_id: str, block_ids: np.ndarray, num_tokens: int) -> KVTransferParams:
+        """This rank's params for a held request: what a reader needs to read it."""
+        assert self.server is not None and self.cache is not None
         sc = self.config.connector.side_channel
         return KVTransferParams(
             request_id=request_id, engine_id=self.config.engine_id, num_tokens=num_tokens,
-            block_ids=ids[:need].tolist(), block_size=self.cache.spec.block_size, layout=self.layout,
+            block_ids=block_ids.tolist(), block_size=self.cache.spec.block_size, layout=self.layout,
             ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
             lease_s=self.config.connector.timeouts.lease_s,
         )
@@ -309,13 +314,7 @@ class Connector:
                              f"{target.num_tokens}")
         ids = self.holds.block_ids_of(request_id)
         assert ids is not None
-        sc = self.config.connector.side_channel
-        params = KVTransferParams(
-            request_id=request_id, engine_id=self.config.engine_id, num_tokens=held, block_ids=ids.tolist(),
-            block_size=self.cache.spec.block_size, layout=self.layout,
-            ranks=[RemoteRank(rank=self.rank, host=sc.host, port=self.server.port, generation=self.generation)],
-            lease_s=self.config.connector.timeouts.lease_s)
-        self.holds.attach(request_id, target, params)
+        self.holds.attach(request_id, target, self._params(request_id, ids, held))
         self.pusher.notify(request_id)
 
     def _unstage(self, block_ids: list[int]) -> None:

@@ -18,6 +18,8 @@ import logging
 import queue
 import threading
 
+import msgspec
+
 from kvxfer.handshake import HandshakeError, SideChannelClient
 from kvxfer.protocol import ErrorReply, LayersReady, PushTarget, RemoteRank
 from kvxfer.supervise import describe, report
@@ -100,7 +102,7 @@ class Pusher:
                     return (f"{r.host}:{r.port} is {meta.engine_id} generation {meta.generation}, expected "
                             f"{target.engine_id} generation {r.generation} (restarted?)")
                 self._tokens[key] = token
-            reply = self.client.request(r.host, r.port, _with_token(msg, token), retries=1)
+            reply = self.client.request(r.host, r.port, msgspec.structs.replace(msg, token=token), retries=1)
         except HandshakeError as e:
             self._tokens.pop(key, None)
             return f"unreachable: {e}"
@@ -109,7 +111,3 @@ class Pusher:
         self.sent += 1
         return None
 
-
-def _with_token(msg: LayersReady, token: bytes) -> LayersReady:
-    return LayersReady(request_id=msg.request_id, generation=msg.generation, source=msg.source, layers=msg.layers,
-                       token=token)
