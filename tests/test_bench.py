@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvxfer.bench.e2e import run_order
 from kvxfer.bench.transfer import STAGES, bench_cache, check_arrived, make_cfg, stage_breakdown
 from kvxfer.connector import Connector
 from kvxfer.metrics import ConnectorMetrics
@@ -67,13 +68,16 @@ def test_bench_repack_writes_json(tmp_path: Path) -> None:
 
 
 def test_bench_e2e_compares_with_a_monolithic_instance(tmp_path: Path) -> None:
+    """Two rounds on fresh instances, pooled: both rounds' requests count."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
-    r = kvxfer("bench", "e2e", "--prompts", "32", "128", "--requests", "2", "--output", "4", "--json", str(out),
-               "--plot", str(png))
+    r = kvxfer("bench", "e2e", "--prompts", "32", "128", "--requests", "2", "--rounds", "2", "--output", "4",
+               "--json", str(out), "--plot", str(png))
     recs = json.loads(out.read_text())["records"]
     assert [x["prompt_tokens"] for x in recs] == [32, 128]
     for x in recs:
-        assert x["disaggregated"]["loaded"] == 2  # both requests' KV came over the connector
+        assert (x["requests"], x["rounds"]) == (4, 2)
+        assert x["disaggregated"]["loaded"] == 4  # every request's KV, in both rounds, came over the connector
+        assert x["kv_bytes"] == 4 * x["prompt_tokens"] * 4 * 2 * 2 * 32 * 4  # (layers, K/V, heads, head size, fp32)
         assert x["monolithic"]["loaded"] == 0
         assert x["ttft_ratio"] > 0 and x["itl_ratio"] > 0
     assert "TTFT p50" in r.stdout
@@ -150,6 +154,18 @@ def test_metrics_stage_counters() -> None:
     assert (s["stage_loads"], s["stage_handoffs"]) == (1, 1)
     assert (s["stage_queue_s"], s["stage_plan_s"], s["stage_transfer_s"], s["stage_complete_s"],
             s["stage_handoff_s"]) == (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def test_bench_e2e_alternates_the_order_of_modes_each_round() -> None:
+    assert run_order(["pull", "push"], 3) == [(0, "pull"), (0, "push"), (1, "push"), (1, "pull"), (2, "pull"),
+                                              (2, "push")]
+    assert run_order(["push"], 2) == [(0, "push"), (1, "push")]
+
+
+def test_bench_e2e_refuses_a_mode_named_twice() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "e2e", "--modes", "pull", "pull"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1 and "a mode named twice" in r.stderr
 
 
 def test_bench_e2e_runs_pull_and_push_on_a_shaped_link(tmp_path: Path) -> None:

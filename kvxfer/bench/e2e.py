@@ -13,6 +13,10 @@ own, joined to this one by a veth pair held to R Mbit/s each way (``tc`` tbf; ne
 removed at the end), with TCP data planes and shared-secret auth, so that moving a prompt's KV
 can take about as long as computing it. TTFT is when the decode instance has the prompt's KV
 and the first token.
+
+``--rounds R`` runs each mode R times on fresh instances, alternating the order (pull push, push
+pull, ...), and pools every round's requests into one p50 per mode: a slow spell of a shared
+machine then falls on both modes alike instead of on whichever ran during it.
 """
 
 from __future__ import annotations
@@ -35,18 +39,32 @@ from kvxfer.engine.launcher import _addr, _pct, run_workload, started, verify_co
 from kvxfer.engine.router import RoutedGenerated
 
 
-def _measure(addr: str, requests: list[m.Generate], concurrency: int, label: str) -> dict[str, float]:
+class Samples:
+    """Per-request figures of one (mode, link, prompt length), pooled over rounds."""
+
+    def __init__(self) -> None:
+        self.ttft_ms: list[float] = []
+        self.itl_ms: list[float] = []
+        self.kv_bytes = 0
+        self.loaded = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"ttft_p50_ms": _pct(self.ttft_ms, 50), "ttft_p90_ms": _pct(self.ttft_ms, 90),
+                "itl_p50_ms": _pct(self.itl_ms, 50), "itl_p90_ms": _pct(self.itl_ms, 90),
+                "kv_bytes": float(self.kv_bytes), "loaded": float(self.loaded)}
+
+
+def _measure(addr: str, requests: list[m.Generate], concurrency: int, label: str, into: Samples) -> None:
     results: dict[str, RoutedGenerated] = {}
     for i in range(0, len(requests), concurrency):
         results.update(run_workload(addr, requests[i : i + concurrency], 600, f"{label} [{i + 1}/{len(requests)}]"))
     errors = [r.result.error for r in results.values() if r.result.error]
     if errors:
         raise RuntimeError(f"{label}: {len(errors)} requests failed: {errors[:3]}")
-    ttft = [r.ttft_s * 1e3 for r in results.values()]
-    itl = [float(d) * 1e3 for r in results.values() for d in np.diff(r.result.token_times)]
-    return {"ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "itl_p50_ms": _pct(itl, 50),
-            "itl_p90_ms": _pct(itl, 90), "kv_bytes": float(sum(r.result.kv_bytes for r in results.values())),
-            "loaded": float(sum(r.result.loaded for r in results.values()))}
+    into.ttft_ms += [r.ttft_s * 1e3 for r in results.values()]
+    into.itl_ms += [float(d) * 1e3 for r in results.values() for d in np.diff(r.result.token_times)]
+    into.kv_bytes += sum(r.result.kv_bytes for r in results.values())
+    into.loaded += sum(r.result.loaded for r in results.values())
 
 
 # the shaped link is not loopback: both sides authenticate (a KVXFER_ name would read as a config override)
@@ -128,13 +146,18 @@ def _write_launch(run_dir: Path, launch: LaunchConfig, cfgs: list[InstanceConfig
     return lpath, paths
 
 
+def run_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in the order they run: each round reverses the last (A B, B A, A B, ...)."""
+    return [(r, mode) for r in range(rounds) for mode in (modes if r % 2 == 0 else modes[::-1])]
+
+
 WARM_UP = 2  # requests each server set takes before it is measured (first calls pay imports and allocation)
 
 
 def _warm_up(addr: str, rng: np.random.Generator, vocab: int, plen: int, output: int, label: str) -> None:
     reqs = [m.Generate(request_id=f"warm-{label}-{i}", prompt=rng.integers(0, vocab, plen).tolist(),
                        max_tokens=output) for i in range(WARM_UP)]
-    _measure(addr, reqs, 1, f"warm-up {label}")
+    _measure(addr, reqs, 1, f"warm-up {label}", Samples())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8, help="requests per prompt length")
     ap.add_argument("--output", type=int, default=16, help="output tokens per request")
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each mode this many times on fresh instances, in alternating order (pull push, push "
+                         "pull, ...), and pool the requests: drift on a noisy machine then hits both modes alike")
     ap.add_argument("--modes", nargs="+", choices=["pull", "push"], default=None,
                     help="transfer modes to run (default: the launch file's own)")
     ap.add_argument("--shape-mbit", type=float, default=None, metavar="R",
@@ -160,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --prompts {too_long}: prompt + output must fit model.max_position="
               f"{decode.model.max_position}", file=sys.stderr)
         return 1
+    if args.rounds < 1 or args.requests < 1:
+        print("error: --rounds and --requests: expected >= 1", file=sys.stderr)
+        return 1
+    if len(set(args.modes or [])) != len(args.modes or []):
+        print(f"error: --modes {' '.join(args.modes)}: a mode named twice (use --rounds to repeat)", file=sys.stderr)
+        return 1
     if args.shape_mbit is not None and args.shape_mbit <= 0:
         print("error: --shape-mbit: expected > 0", file=sys.stderr)
         return 1
@@ -169,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         c.role == "prefill" for c in instances) else "pull"]
     links = ["unshaped"] + (["shaped"] if args.shape_mbit is not None else [])
     prompts = {plen: [rng.integers(0, vocab, plen).tolist() for _ in range(args.requests)] for plen in args.prompts}
-    records: list[dict[str, Any]] = []
     with started() as run:
         mono = verify_config(launch, decode)
         mono_path = run.logdir / "monolithic.yaml"
@@ -177,21 +208,24 @@ def main(argv: list[str] | None = None) -> int:
         mono_child = run.start(mono.engine_id, ["serve", str(mono_path)])
         wait_ready(run, [(mono_child, _addr(mono.server.host, mono.server.port))], launch.ready_timeout_s)
         _warm_up(_addr(mono.server.host, mono.server.port), rng, vocab, min(args.prompts), args.output, "mono")
-        baseline: dict[int, dict[str, float]] = {}
+        baseline: dict[int, Samples] = {}
         for plen in args.prompts:  # fresh prompts: the disaggregated runs' would hit its prefix cache
             reqs = [m.Generate(request_id=f"mono-{plen}-{i}", prompt=rng.integers(0, vocab, plen).tolist(),
                                max_tokens=args.output) for i in range(args.requests)]
-            baseline[plen] = _measure(_addr(mono.server.host, mono.server.port), reqs, args.concurrency,
-                                      f"monolithic, prompt {plen}")
+            baseline[plen] = Samples()
+            _measure(_addr(mono.server.host, mono.server.port), reqs, args.concurrency,
+                     f"monolithic, prompt {plen}", baseline[plen])
+        samples = {(mode, link, plen): Samples() for link in links for mode in modes for plen in args.prompts}
         for link in links:
             shaped = ShapedLink(args.shape_mbit) if link == "shaped" and args.shape_mbit else None
             if shaped is not None:
                 os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the children inherit it
             try:
-                for mode in modes:
+                for rnd, mode in run_order(modes, args.rounds):
                     cfgs = mode_configs(instances, mode, shaped)
-                    lpath, paths = _write_launch(run.logdir, launch, cfgs, f"{mode}-{link}")
-                    with started(run.logdir / f"{mode}-{link}") as sub:
+                    tag = f"{mode}-{link}-{rnd}"
+                    lpath, paths = _write_launch(run.logdir, launch, cfgs, tag)
+                    with started(run.logdir / tag) as sub:
                         targets = [(sub.start(c.engine_id, ["serve", p], wrap=shaped.wrap if shaped is not None
                                               and c.role == "prefill" else None), _addr(c.server.host, c.server.port))
                                    for c, p in zip(cfgs, paths, strict=True)]
@@ -199,29 +233,31 @@ def main(argv: list[str] | None = None) -> int:
                                         _addr(launch.router.host, launch.router.port)))
                         wait_ready(sub, targets, launch.ready_timeout_s)
                         _warm_up(_addr(launch.router.host, launch.router.port), rng, vocab, min(args.prompts),
-                                 args.output, f"{mode}-{link}")
+                                 args.output, tag)
                         for plen in args.prompts:
-                            reqs = [m.Generate(request_id=f"e2e-{mode}-{link}-{plen}-{i}", prompt=p,
-                                               max_tokens=args.output) for i, p in enumerate(prompts[plen])]
-                            dis = _measure(_addr(launch.router.host, launch.router.port), reqs, args.concurrency,
-                                           f"{mode}, {link} link, prompt {plen}")
-                            mon = baseline[plen]
-                            records.append({"mode": mode, "link": link, "shape_mbit": args.shape_mbit
-                                            if link == "shaped" else None, "prompt_tokens": plen,
-                                            "output_tokens": args.output, "requests": args.requests,
-                                            "concurrency": args.concurrency, "disaggregated": dis, "monolithic": mon,
-                                            "ttft_p50_ms": dis["ttft_p50_ms"], "ttft_p90_ms": dis["ttft_p90_ms"],
-                                            "itl_p50_ms": dis["itl_p50_ms"], "itl_p90_ms": dis["itl_p90_ms"],
-                                            "kv_bytes": dis["kv_bytes"],
-                                            "ttft_ratio": dis["ttft_p50_ms"] / mon["ttft_p50_ms"],
-                                            "itl_ratio": dis["itl_p50_ms"] / mon["itl_p50_ms"]})
+                            reqs = [m.Generate(request_id=f"e2e-{tag}-{plen}-{i}", prompt=p, max_tokens=args.output)
+                                    for i, p in enumerate(prompts[plen])]
+                            _measure(_addr(launch.router.host, launch.router.port), reqs, args.concurrency,
+                                     f"{mode}, {link} link, round {rnd + 1}/{args.rounds}, prompt {plen}",
+                                     samples[mode, link, plen])
             finally:
                 if shaped is not None:
                     shaped.close()
+    records: list[dict[str, Any]] = []
+    for (mode, link, plen), got in samples.items():
+        dis, mon = got.stats(), baseline[plen].stats()
+        records.append({"mode": mode, "link": link, "shape_mbit": args.shape_mbit if link == "shaped" else None,
+                        "prompt_tokens": plen, "output_tokens": args.output, "requests": args.requests * args.rounds,
+                        "rounds": args.rounds, "concurrency": args.concurrency, "disaggregated": dis,
+                        "monolithic": mon, "ttft_p50_ms": dis["ttft_p50_ms"], "ttft_p90_ms": dis["ttft_p90_ms"],
+                        "itl_p50_ms": dis["itl_p50_ms"], "itl_p90_ms": dis["itl_p90_ms"], "kv_bytes": dis["kv_bytes"],
+                        "ttft_ratio": dis["ttft_p50_ms"] / mon["ttft_p50_ms"],
+                        "itl_ratio": dis["itl_p50_ms"] / mon["itl_p50_ms"]})
     header = (f"{'mode':>4} {'link':>8} {'prompt':>6} {'TTFT p50 disagg':>16} {'TTFT p50 mono':>14} {'ratio':>6} "
               f"{'ITL p50 disagg':>15} {'ITL p50 mono':>13} {'ratio':>6} {'KV MiB/req':>10} {'TTFT/pull':>9}")
-    print(f"kvxfer bench e2e {args.launch}: {args.requests} requests per length, {args.output} output tokens, "
-          f"concurrency {args.concurrency}; baseline: one monolithic instance, same run")
+    print(f"kvxfer bench e2e {args.launch}: {args.requests} requests per length and round, {args.rounds} "
+          f"round(s) per mode ({' '.join(md for _, md in run_order(modes, args.rounds))}, pooled), {args.output} "
+          f"output tokens, concurrency {args.concurrency}; baseline: one monolithic instance, same run")
     print(header)
     print("-" * len(header))
     pull = {(r["link"], r["prompt_tokens"]): r["ttft_p50_ms"] for r in records if r["mode"] == "pull"}
@@ -237,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"launch": args.launch, "modes": modes, "links": links,
-                                         "shape_mbit": args.shape_mbit, "records": records}, indent=2))
+                                         "shape_mbit": args.shape_mbit, "rounds": args.rounds,
+                                         "records": records}, indent=2))
         print(f"wrote {args.json}")
     if args.plot:
         _plot(records, args.plot, args.launch)
