@@ -118,6 +118,32 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(pair: tuple) -> None:
         assert torch.equal(a[[1, 2]].view(torch.uint8), b[[7, 8]].view(torch.uint8))
 
 
+def test_save_layer_is_one_way_but_checks_its_arguments_and_pushes_bit_exact(pair: tuple) -> None:
+    """save_layer is not answered by the agent (a send per layer, no round trip); bad arguments
+    are still refused by name here, and the layers sent after them land bit-exact."""
+    p, pt, c, ct = pair
+    with pytest.raises(ValueError, match="not a streaming hold"):
+        p.save_layer("nobody", 0)
+    p.hold("pull-only", [5], 16)
+    with pytest.raises(ValueError, match="not a streaming hold"):
+        p.save_layer("pull-only", 0)  # a pull hold has no layers to save
+    p.hold("r1", [1, 2], 32, streaming=True)
+    with pytest.raises(ValueError, match=r"layer 3 is not on this rank \(layers 0..2\)"):
+        p.save_layer("r1", 3)
+    target = c.reserve("d1", [7, 8], 32)
+    p.push("r1", target)
+    for layer in range(3):
+        p.save_layer("r1", layer)
+    deadline = time.monotonic() + 30
+    out = Finished()
+    while "d1" not in out.receiving and not out.failed and time.monotonic() < deadline:
+        out.extend(c.poll(0.05))
+    landed = sorted(out.layers.get("d1", []))
+    assert out.receiving == ["d1"] and landed == [0, 1, 2], (out.failed, out.errors)
+    for a, b in zip(pt, ct, strict=True):
+        assert torch.equal(a[[1, 2]].view(torch.uint8), b[[7, 8]].view(torch.uint8))
+
+
 def test_a_killed_agent_fails_its_loads_with_their_blocks_and_reports_broken(pair: tuple) -> None:
     p, _, c, _ = pair
     assert isinstance(c, AgentConnector) and c.process is not None

@@ -142,7 +142,7 @@ class AgentConnector:
         self._lock = threading.Lock()  # the loads, the holds, the pending failures, _dead
         self._loads: dict[str, _Load] = {}
         self._held: set[str] = set()  # holds the agent keeps: freed (reported sending) if it dies
-        self._streaming: dict[str, np.ndarray] = {}  # streaming holds' block ids (device staging per save)
+        self._streaming: dict[str, np.ndarray] = {}  # streaming holds: block ids (checked and staged per save)
         self._failed = Finished()  # failures found here (agent dead), reported at the next poll
         self._carry = Finished()  # events wait_layer read, reported at the next poll
         self._landed: dict[str, set[int]] = {}  # push loads in flight: layers landed so far
@@ -275,6 +275,25 @@ class AgentConnector:
             raise RuntimeError(f"rank {self.rank}: {self._dead}")
         return reply
 
+    def _send_only(self, cmd: Command) -> None:
+        """Send a command the agent does not answer (in order with the others)."""
+        if self._commands is None:
+            raise RuntimeError("register_kv_caches first")
+        with self._command_lock:
+            if self._dead is not None:
+                raise RuntimeError(f"rank {self.rank}: {self._dead}")
+            try:
+                self._commands.send(cmd, COMMAND_S)
+            except TimeoutError as e:
+                self._agent_died(f"did not read {type(cmd).__name__}: {e}")
+            except ChannelClosed as e:
+                self._agent_died(f"exited ({e})")
+            except BaseException:
+                self._agent_died(f"was left mid-command ({type(cmd).__name__}) by an interrupt")
+                raise
+        if self._dead is not None:
+            raise RuntimeError(f"rank {self.rank}: {self._dead}")
+
     def _checked(self, reply: Reply) -> Reply:
         if isinstance(reply, Refused):
             raise (ValueError if reply.kind == "value" else RuntimeError)(reply.message)
@@ -344,12 +363,25 @@ class AgentConnector:
         return reply.params
 
     def save_layer(self, request_id: str, layer: int) -> None:
-        """Push mode: the forward pass wrote ``layer`` of a streaming hold; its targets read it now."""
-        if self.device_cache is not None and self.cache is not None:
+        """Push mode: the forward pass wrote ``layer`` of a streaming hold; its targets read it now.
+
+        One-way: the agent takes it in order with the other commands and does not answer, so a
+        layer costs the forward pass one send, not a round trip. The arguments are checked here;
+        a hold that expired in the agent meanwhile has nobody left to push to (the agent logs it)."""
+        if self.cache is None:
+            raise RuntimeError("save_layer: register_kv_caches first")
+        layers = self.cache.spec.layers
+        if layer not in layers:
+            raise ValueError(f"request {request_id}: layer {layer} is not on this rank (layers {layers.start}.."
+                             f"{layers.stop - 1})")
+        with self._lock:
             ids = self._streaming.get(request_id)
-            if ids is not None:
-                copy_blocks(self.device_cache, self.cache, ids)
-        self._checked(self._call(SaveLayer(request_id, layer)))
+        if ids is None:
+            raise ValueError(f"request {request_id} is not a streaming hold of this rank (never held, released, "
+                             "or expired)")
+        if self.device_cache is not None:
+            copy_blocks(self.device_cache, self.cache, ids)
+        self._send_only(SaveLayer(request_id, layer))
 
     def push(self, request_id: str, target: PushTarget) -> None:
         """Push mode: read by ``target`` (a decode side's reservation): saved layers now, the rest as saved."""
@@ -362,6 +394,7 @@ class AgentConnector:
         reply = self._checked(self._call(Release(request_id)))
         with self._lock:
             self._held.discard(request_id)
+            self._streaming.pop(request_id, None)
         return isinstance(reply, Done) and reply.value
 
     # ------------------------------------------------------------------ consumer

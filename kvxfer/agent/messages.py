@@ -38,6 +38,8 @@ class Hold(msgspec.Struct, frozen=True, tag=True):
 
 
 class SaveLayer(msgspec.Struct, frozen=True, tag=True):
+    """One-way (no answer): a streaming hold's layer is written."""
+
     request_id: str
     layer: int
 

@@ -6,8 +6,8 @@ the agent's threads, under the agent's own GIL: an engine whose Python is busy d
 its transfers, and the engine spends a command round trip per request, not a GIL hand-off
 per piece. The agent exits when its engine closes the command channel (or dies).
 
-Threads: the main thread answers commands, in order; the event thread polls the connector
-and sends what finished. Nothing else in the process touches the channels.
+Threads: the main thread answers commands, in order (``SaveLayer`` is one-way: no answer); the
+event thread polls the connector and sends what finished. Nothing else in the process touches the channels.
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ class Agent:
                     self.conn = None
                     self.commands.send(Done())
                     break
-                if cmd is not None:
+                if isinstance(cmd, SaveLayer):  # one-way: the engine does not wait for an answer
+                    self._save_layer(cmd)
+                elif cmd is not None:
                     self._reply(self._answer(cmd))
         finally:
             self._stop.set()
@@ -147,9 +149,6 @@ class Agent:
         try:
             if isinstance(cmd, Hold):
                 return Held(params=conn.hold(cmd.request_id, cmd.block_ids, cmd.num_tokens, cmd.streaming))
-            if isinstance(cmd, SaveLayer):
-                conn.save_layer(cmd.request_id, cmd.layer)
-                return Done()
             if isinstance(cmd, Push):
                 conn.push(cmd.request_id, cmd.target)
                 return Done()
@@ -180,6 +179,18 @@ class Agent:
         except Exception as e:  # the command failed in the agent: the engine raises it; we go on
             report(f"agent command {type(cmd).__name__}", e, "the command (refused)")
             return Refused(kind="runtime", message=f"{type(e).__name__}: {e}")
+
+    def _save_layer(self, cmd: SaveLayer) -> None:
+        """A saved layer; nobody waits for an answer. The engine checked the arguments, so a
+        refusal here means the hold ended meanwhile (expired or abandoned): nothing to push."""
+        assert self.conn is not None
+        try:
+            self.conn.save_layer(cmd.request_id, cmd.layer)
+        except ValueError as e:
+            logger.info("transfer agent rank %d: layer %d of request %s not pushed: %s", self.conn.rank, cmd.layer,
+                        cmd.request_id, e)
+        except Exception as e:
+            report("agent command SaveLayer", e, "that layer's push notice (the reads of the hold end at its lease)")
 
     def _send_events(self) -> None:
         conn = self.conn
