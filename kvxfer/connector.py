@@ -253,6 +253,7 @@ class Connector:
             self.pusher.close()
         if self.server is not None:
             self.server.close()
+        self.client.close()
         self.plane.close()
 
     # ------------------------------------------------------------------ producer

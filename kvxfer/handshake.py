@@ -213,12 +213,63 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Request/reply to side-channel servers, each call bounded by a timeout and retries."""
+    """Request/reply to side-channel servers, each call bounded by a timeout and retries.
+
+    Threads: any; each thread keeps its own open socket per server (``_local``), so a stream of
+    notices (a push sends one per layer) pays a TCP connect once, not per message. A socket
+    whose request timed out or failed is closed, never reused: a late reply cannot be taken
+    for the answer to the next request. At most ``MAX_OPEN`` servers per thread stay open.
+    """
+
+    MAX_OPEN = 64
 
     def __init__(self, timeout_s: float, retries: int) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.timeout_s = timeout_s
         self.retries = retries
+        self._local = threading.local()
+        self._all: dict[zmq.Socket[bytes], threading.Thread] = {}  # every open socket: its thread
+        self._all_lock = threading.Lock()
+
+    def _socket(self, addr: str) -> zmq.Socket[bytes]:
+        open_: OrderedDict[str, zmq.Socket[bytes]] = self._local.__dict__.setdefault("open", OrderedDict())
+        sock = open_.get(addr)
+        if sock is not None:
+            open_.move_to_end(addr)
+            return sock
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        open_[addr] = sock
+        with self._all_lock:
+            self._all[sock] = threading.current_thread()
+        if len(open_) > self.MAX_OPEN:
+            self._drop(*open_.popitem(last=False))
+        return sock
+
+    def _drop(self, addr: str, sock: zmq.Socket[bytes]) -> None:
+        open_: OrderedDict[str, zmq.Socket[bytes]] = self._local.__dict__.get("open", OrderedDict())
+        if open_.get(addr) is sock:
+            del open_[addr]
+        with self._all_lock:
+            self._all.pop(sock, None)
+        sock.close(linger=0)
+
+    def close_thread(self) -> None:
+        """Close the calling thread's open sockets (a thread that used this client ends)."""
+        for addr, sock in list(self._local.__dict__.get("open", OrderedDict()).items()):
+            self._drop(addr, sock)
+
+    def close(self) -> None:
+        """Close the open sockets of threads that have ended (or of the caller): a zmq socket
+        must not be closed under a thread still using it, so a live thread's stay open."""
+        me = threading.current_thread()
+        with self._all_lock:
+            done = [s for s, t in self._all.items() if t is me or not t.is_alive()]
+            for s in done:
+                del self._all[s]
+        for s in done:
+            s.close(linger=0)
 
     def request(self, host: str, port: int, msg: Message, timeout_s: float | None = None,
                 retries: int | None = None) -> Message:
@@ -226,24 +277,29 @@ class SideChannelClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         attempts = 1 + (self.retries if retries is None else retries)
         frame = encode(msg)
+        addr = f"tcp://{host}:{port}"
         last = "no attempt"
         for attempt in range(attempts):
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = self._socket(addr)
+            keep = False
             try:
-                sock.connect(f"tcp://{host}:{port}")
                 sock.send_multipart([b"", frame])
                 if sock.poll(int(timeout * 1000), zmq.POLLIN):
                     parts = sock.recv_multipart()
                     if len(parts) == 2 and parts[0] == b"":
-                        return decode_side(parts[1])
+                        reply = decode_side(parts[1])
+                        keep = True
+                        return reply
                     last = "malformed reply"
                 else:
                     last = f"no reply within {timeout:g}s"
             except ProtocolError as e:
                 last = f"bad reply: {e}"
+            except zmq.ZMQError as e:
+                last = f"socket error: {e}"
             finally:
-                sock.close(linger=0)
+                if not keep:
+                    self._drop(addr, sock)
             if attempt + 1 < attempts:
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         raise HandshakeError(f"side channel {host}:{port}: {last} (after {attempts} attempt(s))")

@@ -254,6 +254,7 @@ class Consumer(PushReceiver):
                 next_renew = self._turn(job, next_renew)
             except Exception as e:  # a bug outside the guarded steps: logged, and the worker goes on
                 report("consumer worker", e)
+        self.client.close_thread()
 
     def _turn(self, job: Job | None, next_renew: float) -> float:
         """One turn of the worker: the job, the plane's finished batches, retries, deadlines, renewals."""
@@ -669,6 +670,7 @@ class Consumer(PushReceiver):
                 logger.warning("%s to producer rank %d not delivered: %s", type(msg).__name__, r.rank, e)
             except Exception as e:  # supervised: the next notice still goes out
                 report("consumer notifier", e, f"{type(msg).__name__} to producer rank {r.rank}")
+        self.client.close_thread()
 
 
 def _rank_of(params: KVTransferParams, rank: int) -> RemoteRank:

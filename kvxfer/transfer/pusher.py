@@ -74,6 +74,7 @@ class Pusher:
             except Exception as e:  # supervised: the push fails, the thread goes on
                 report("pusher", e, f"push of request {rid}")
                 self.holds.abandon(rid, f"push failed: {describe(e)}")
+        self.client.close_thread()
 
     def _send(self, rid: str) -> None:
         state = self.holds.push_state(rid)
