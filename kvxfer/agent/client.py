@@ -252,38 +252,27 @@ class AgentConnector:
     def _call(self, cmd: Command, timeout_s: float | None = None) -> Reply:
         """Send one command and wait for its answer; a dead or silent agent raises RuntimeError
         (and is killed: a command left unanswered would pair its reply with the next one)."""
-        if self._commands is None:
-            raise RuntimeError("register_kv_caches first")
-        timeout_s = COMMAND_S if timeout_s is None else timeout_s
-        with self._command_lock:
-            if self._dead is not None:
-                raise RuntimeError(f"rank {self.rank}: {self._dead}")
-            reply = None
-            try:
-                self._commands.send(cmd, timeout_s)
-                reply = self._commands.recv(timeout_s)
-                if reply is None:
-                    self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
-            except TimeoutError as e:
-                self._agent_died(f"did not read {type(cmd).__name__}: {e}")
-            except ChannelClosed as e:
-                self._agent_died(f"exited ({e})")
-            except BaseException:
-                self._agent_died(f"was left mid-command ({type(cmd).__name__}) by an interrupt")
-                raise
-        if reply is None:
-            raise RuntimeError(f"rank {self.rank}: {self._dead}")
+        reply = self._exchange(cmd, COMMAND_S if timeout_s is None else timeout_s, answered=True)
+        assert reply is not None
         return reply
 
     def _send_only(self, cmd: Command) -> None:
         """Send a command the agent does not answer (in order with the others)."""
+        self._exchange(cmd, COMMAND_S, answered=False)
+
+    def _exchange(self, cmd: Command, timeout_s: float, answered: bool) -> Reply | None:
         if self._commands is None:
             raise RuntimeError("register_kv_caches first")
+        reply = None
         with self._command_lock:
             if self._dead is not None:
                 raise RuntimeError(f"rank {self.rank}: {self._dead}")
             try:
-                self._commands.send(cmd, COMMAND_S)
+                self._commands.send(cmd, timeout_s)
+                if answered:
+                    reply = self._commands.recv(timeout_s)
+                    if reply is None:
+                        self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
             except TimeoutError as e:
                 self._agent_died(f"did not read {type(cmd).__name__}: {e}")
             except ChannelClosed as e:
@@ -291,8 +280,9 @@ class AgentConnector:
             except BaseException:
                 self._agent_died(f"was left mid-command ({type(cmd).__name__}) by an interrupt")
                 raise
-        if self._dead is not None:
+        if reply is None if answered else self._dead is not None:
             raise RuntimeError(f"rank {self.rank}: {self._dead}")
+        return reply
 
     def _checked(self, reply: Reply) -> Reply:
         if isinstance(reply, Refused):
