@@ -293,7 +293,7 @@ class Connector:
         if self.device_cache is not None and self.cache is not None:
             ids = self.holds.block_ids_of(request_id)
             if ids is not None:
-                copy_blocks(self.device_cache, self.cache, ids)
+                copy_blocks(self.device_cache, self.cache, ids, layer)
         if self.holds.save_layer(request_id, layer):
             self.pusher.notify(request_id)
 

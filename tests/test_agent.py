@@ -118,10 +118,22 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(pair: tuple) -> None:
         assert torch.equal(a[[1, 2]].view(torch.uint8), b[[7, 8]].view(torch.uint8))
 
 
-def test_save_layer_is_one_way_but_checks_its_arguments_and_pushes_bit_exact(pair: tuple) -> None:
+@pytest.mark.parametrize("staging", ["never", "always"])
+def test_save_layer_is_one_way_but_checks_its_arguments_and_pushes_bit_exact(staging: str) -> None:
     """save_layer is not answered by the agent (a send per layer, no round trip); bad arguments
-    are still refused by name here, and the layers sent after them land bit-exact."""
-    p, pt, c, ct = pair
+    are still refused by name here, and the layers sent after them land bit-exact. Staged (the
+    engine's cache stands in for a device cache): each save copies its own layer to the host
+    mirror, and the engine's own tensors arrive whole."""
+    p, pt = make(cfg("prefill", host_staging=staging), fill=1)
+    c, ct = make(cfg("decode", host_staging=staging))
+    try:
+        _save_layer_case(p, pt, c, ct)
+    finally:
+        c.close()
+        p.close()
+
+
+def _save_layer_case(p: EngineConnector, pt: list[torch.Tensor], c: EngineConnector, ct: list[torch.Tensor]) -> None:
     with pytest.raises(ValueError, match="not a streaming hold"):
         p.save_layer("nobody", 0)
     p.hold("pull-only", [5], 16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 
@@ -17,6 +18,7 @@ from kvxfer.cache import (
     scatter_from_host,
     spec_from_config,
 )
+from kvxfer.cache.staging import copy_blocks
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import CacheConfig, InstanceConfig, ModelConfig, ParallelConfig
 
@@ -183,6 +185,25 @@ def test_host_staging_round_trip(variant: dict) -> None:
         gather_to_host(src, [10])
     with pytest.raises(ValueError, match=r"expected .* buffers"):
         scatter_from_host(dst, [0], [*staged, *staged])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_copy_blocks_of_one_layer_copies_that_layer_only(variant: dict) -> None:
+    """Push stages each layer as it is written: the layer's blocks move, no other layer's bytes
+    (a cross-layer cache keeps every layer in one tensor and copies it whole)."""
+    spec = spec_for(**variant)
+    src, dst = allocate_kv_cache(spec, 10), allocate_kv_cache(spec, 10)
+    for t in src.tensors:
+        t.copy_(torch.randn(t.shape))
+    copy_blocks(src, dst, [3, 7], layer=6)
+    per = len(src.tensors) // spec.num_layers
+    for i, (s, d) in enumerate(zip(src.tensors, dst.tensors, strict=True)):
+        moved = spec.cross_layer or i // per == 6 - spec.first_layer
+        assert torch.equal(d[[3, 7]], s[[3, 7]]) if moved else torch.count_nonzero(d) == 0, (i, moved)
+        assert torch.count_nonzero(d[[0, 1, 2, 4, 5, 6, 8, 9]]) == 0
+    with pytest.raises(ValueError, match=r"layer 8 is not in this cache \(layers 5..7\)") if not spec.cross_layer \
+            else contextlib.nullcontext():
+        copy_blocks(src, dst, [1], layer=8)
 
 
 def test_uint8_quantisation_round_trip() -> None:

@@ -370,7 +370,7 @@ class AgentConnector:
             raise ValueError(f"request {request_id} is not a streaming hold of this rank (never held, released, "
                              "or expired)")
         if self.device_cache is not None:
-            copy_blocks(self.device_cache, self.cache, ids)
+            copy_blocks(self.device_cache, self.cache, ids, layer)
         self._send_only(SaveLayer(request_id, layer))
 
     def push(self, request_id: str, target: PushTarget) -> None:

@@ -88,15 +88,27 @@ def pin_for(cache: KVCache, mirror: KVCache) -> None:
             torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
 
 
-def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+def copy_blocks(src: KVCache, dst: KVCache, block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                layer: int | None = None) -> None:
     """Blocks ``block_ids`` of every tensor from ``src`` to the same ids of ``dst`` (any devices):
-    one batched gather and one batched scatter per tensor."""
+    one batched gather and one batched scatter per tensor. ``layer`` (a global layer id): only
+    that layer's tensors, as a push stages each layer once it is written (a cross-layer cache
+    keeps every layer in one tensor, so it copies them all)."""
     if src.spec != dst.spec or src.num_blocks != dst.num_blocks:
         raise ValueError("copy_blocks: the two caches differ in spec or size")
     idx = _index(src, block_ids)
     if len(idx) == 0:
         return
-    for s, d in zip(src.tensors, dst.tensors, strict=True):
+    pairs = list(zip(src.tensors, dst.tensors, strict=True))
+    if layer is not None and not src.spec.cross_layer:
+        layers = src.spec.layers
+        if layer not in layers:
+            raise ValueError(f"copy_blocks: layer {layer} is not in this cache (layers {layers.start}.."
+                             f"{layers.stop - 1})")
+        per = len(pairs) // len(layers)
+        i = layer - layers.start
+        pairs = pairs[i * per : (i + 1) * per]
+    for s, d in pairs:
         scatter_rows(d, idx, gather_rows(s, idx))
     for c in (src, dst):
         if c.device.type == "cuda":
