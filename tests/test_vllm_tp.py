@@ -34,8 +34,8 @@ __all__ = ["models"]  # the session's tiny model, shared with test_vllm
 DTYPE = "float32"
 PROMPTS = [prompts()[0], prompts()[2]]  # 300 tokens (a partial third block) and 77 (one partial block)
 # three servers on two cores: steps can take seconds. In one full CI-sized run a decode server took 30 s to
-# schedule a request (no kvxfer call in between), and the prefill's hold outlived its 30 s lease by a second;
-# the load failed and vLLM recomputed, as it should. The lease here is what such a deployment would set.
+# start a request's load (the logs do not say why), and the prefill's 30 s lease ran out a second before its
+# read; the load failed and vLLM recomputed, as it should. The lease here is what such a deployment would set.
 TIMEOUTS = {"handshake_s": 5.0, "transfer_s": 60.0, "lease_s": 120.0}
 
 
