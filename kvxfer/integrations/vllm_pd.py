@@ -122,6 +122,16 @@ class VllmServer:
         hits = [ln for ln in lines if " ERROR " in ln or _EXCEPTION_LINE.match(ln.strip())]
         return "\n".join(list(dict.fromkeys(hits))[:n])
 
+    def problems(self, n: int = 15) -> str:
+        """The last ``n`` kvxfer warnings and error lines of the log, named by log file: why a load
+        failed (a test's failure message; CI keeps no temp dirs to read the logs from)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        hits = [ln.strip() for ln in lines if (" WARNING " in ln and "kvxfer" in ln) or " ERROR " in ln][-n:]
+        return "\n".join(f"{self.log_path.name}: {ln}" for ln in hits)
+
     def tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
