@@ -190,6 +190,7 @@ class Connector:
                                   t.lease_s, t.abort_s, self.clock,
                                   region_layers={r.region_id: r.layers for r in cache.regions})
         self.plane.set_read_validator(self.holds.validate)
+        self.holds.on_change = self.plane.hold_changed
         if self.secret is not None:
             self.plane.set_token_checker(self.auth.check_token)
         sc = self.config.connector.side_channel

@@ -220,6 +220,12 @@ class DataPlane(ABC):
     def unregister(self, region_ids: Sequence[int]) -> None:  # noqa: B027
         """Stop serving and writing these regions (temporary staging areas)."""
 
+    def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:  # noqa: B027
+        """Serving side: a pull hold was made on ``block_ids``, or (None) it ended. A plane whose
+        consumers read one-sided publishes it (``kvxfer.transfer.hold_board``). Called under the
+        hold registry's lock, before the engine can free an ended hold's blocks: be quick, never
+        raise, never call back into the connector."""
+
     def set_completion_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """Called (from any thread) whenever a batch finishes, so a waiter need not poll."""
 

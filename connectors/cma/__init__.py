@@ -5,10 +5,17 @@ Linux cross-memory attach, the transport UCX calls CMA and NIXL's same-host read
 producer's CPU does no copying: on a host where the producer's cores are busy (a vLLM worker
 spins on its core between steps) this is what keeps a transfer at memory speed.
 
-Reads stay checked by the producer: before copying, the consumer sends the batch's pieces to
-the producer's control socket (ZMQ) and copies only after the producer's holds and region
-table allowed them (the grant renews the hold's lease, so it cannot lapse mid-copy). Like
-RDMA one-sided reads, the grant is honoured by the consumer, not enforced by the kernel: the
+Reads are checked against the producer's holds, one-sided where it can: the producer
+publishes each pull hold on a board in its memory (:mod:`kvxfer.transfer.hold_board`), and the
+consumer reads the hold's row and block ids, checks that the read touches only those blocks,
+copies, and reads the row again; the copy stands only if the row did not change (the hold was
+not released meanwhile). No message, no producer thread: a 1-block read costs three small
+``process_vm_readv`` calls more than the copy, on the consumer's own thread. A read the board
+cannot allow (the request is not on it yet, a push hold, blocks outside the hold, a producer
+with ``one_sided: false``) asks the producer instead: it sends the batch's pieces to the
+producer's control socket (ZMQ) and copies only after the producer's holds and region table
+allowed them (the grant renews the hold's lease, so it cannot lapse mid-copy). Like RDMA
+one-sided reads, either check is honoured by the consumer, not enforced by the kernel: the
 kernel lets a process read another only where it could ptrace it (same user, or
 CAP_SYS_PTRACE; Yama's ``ptrace_scope`` may narrow that), and such a process could read that
 memory anyway. ``connect`` probes one byte and says plainly when the kernel refuses (another
@@ -18,7 +25,8 @@ A producer that dies makes the copy fail with ESRCH, one that stalls makes the g
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
 
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
-control socket listens; default the side channel's host).
+control socket listens; default the side channel's host), ``one_sided`` (default true: publish
+holds on the board; false: every read of this producer asks for a grant).
 """
 
 from __future__ import annotations
@@ -52,10 +60,11 @@ from kvxfer.dataplane import (
 from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.transfer.hold_board import HoldBoard, check_one_sided, row_unchanged
 
 logger = logging.getLogger(__name__)
 
-OPTIONS = {"timeout_s", "host"}
+OPTIONS = {"timeout_s", "host", "one_sided"}
 MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
 GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
@@ -80,6 +89,8 @@ class CmaAddress(msgspec.Struct, frozen=True):
     boot_id: str  # another host's process with the same pid must not be read
     control: str  # the producer's ZMQ endpoint for grants
     regions: dict[int, tuple[int, int]]  # region id -> (address, length) in the producer
+    strides: dict[int, int] = {}  # region id -> bytes per block (what the board's block ids index)
+    board: tuple[int, int] = (0, 0)  # the producer's hold board: (address, rows); (0, 0): none, ask for grants
 
 
 @dataclass
@@ -90,6 +101,7 @@ class _Peer:
     base: np.ndarray  # remote region id -> address, indexed by position in ids
     ids: np.ndarray
     sizes: np.ndarray
+    strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
 
 
 @dataclass
@@ -129,8 +141,18 @@ class CmaDataPlane(HostRegionPlane):
         self.timeout_s = float(self.options.get("timeout_s", 30.0))
         if self.timeout_s <= 0:
             raise ValueError(f"connector.data_plane.timeout_s: expected > 0, got {self.timeout_s}")
+        one_sided = self.options.get("one_sided", True)
+        if not isinstance(one_sided, bool):
+            raise ValueError(f"connector.data_plane.one_sided: expected true or false, got {one_sided!r}")
         self.engine_id = "kvxfer"
+        self._board = HoldBoard() if one_sided else None  # producer side: the holds consumers check themselves
         self._peers: dict[str, _Peer] = {}
+        # consumer side, one-sided reads: the peers they may read, and the lock a copy holds (so a
+        # disconnect returns only when no copy from that peer runs); taken by the reading thread
+        self._direct: dict[str, _Peer] = {}
+        self._direct_lock = threading.Lock()
+        self.one_sided_reads = 0  # reads the board allowed
+        self.granted_reads = 0  # reads that asked the producer
         self._ids = itertools.count(1)
         self._closed = False
         self._refused: set[tuple[str, str]] = set()
@@ -153,8 +175,21 @@ class CmaDataPlane(HostRegionPlane):
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:
         regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
+        strides = {rid: r.block_stride for rid, r in self._regions.items()}
+        board = (0, 0) if self._board is None else (self._board.address, self._board.rows)
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(), control=self._ctrl_addr,
-                                                 regions=regions))
+                                                 regions=regions, strides=strides, board=board))
+
+    def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
+        if self._board is None:
+            return
+        try:
+            if block_ids is None:
+                self._board.withdraw(request_id)
+            else:
+                self._board.publish(request_id, block_ids)
+        except Exception as e:  # never raise into the hold registry: the read asks for a grant instead
+            report("cma hold board", e, f"request {request_id}")
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
@@ -177,13 +212,22 @@ class CmaDataPlane(HostRegionPlane):
                                   f"another pid namespace, or ptrace denied: use tcp or ucx") from None
         ids = np.array(sorted(addr.regions), dtype=np.int64)
         peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.uint64), ids,
-                     np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64))
+                     np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
+                     np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64))
+        with self._direct_lock:
+            if addr.board[1] > 0 and (peer.strides > 0).all():
+                self._direct[peer_id] = peer
+            else:
+                self._direct.pop(peer_id, None)
         self._jobs.put(("connect", (peer_id, peer)))
         self._wake()
 
     def disconnect(self, peer_id: str) -> None:
-        """Forget a peer; returns once the read thread (the only one that copies) has dropped it,
-        so no copy for it runs after this: a failed load's blocks are not written once reported."""
+        """Forget a peer; returns once no thread copies from it (a one-sided copy in progress
+        finishes first; the read thread drops it), so a failed load's blocks are not written once
+        reported."""
+        with self._direct_lock:
+            self._direct.pop(peer_id, None)
         dropped = threading.Event()
         self._jobs.put(("disconnect", (peer_id, dropped)))
         self._wake()
@@ -195,10 +239,48 @@ class CmaDataPlane(HostRegionPlane):
         why = check_bounds(self._table, descriptors.local_region, descriptors.local_offset, descriptors.length)
         if why is not None or len(descriptors) == 0:
             self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
-        else:
+        elif not self._read_one_sided(peer_id, request_id, batch_id, descriptors):
+            self.granted_reads += 1
             self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
             self._wake()
         return batch_id
+
+    def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> bool:
+        """Copy on this thread if the producer's board allows it (module docstring); False: it
+        does not (ask for a grant). A copy that fails, or whose hold ended meanwhile, fails the batch."""
+        with self._direct_lock:
+            peer = self._direct.get(peer_id)
+            if peer is None or self._closed:
+                return False
+            pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
+            if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
+                return False  # the grant path refuses it, by name
+            stride = peer.strides[pos]
+            pid = peer.addr.pid
+
+            def read_at(address: int, nbytes: int) -> np.ndarray:
+                buf = np.empty(nbytes, dtype=np.uint8)
+                copy_from(pid, np.array([[buf.ctypes.data, nbytes]], dtype=np.uint64),
+                          np.array([[address, nbytes]], dtype=np.uint64))
+                return buf
+
+            row = check_one_sided(read_at, peer.addr.board, request_id, d.remote_offset // stride,
+                                  (d.remote_offset + d.length - 1) // stride)
+            if row is None:
+                return False
+            try:
+                self._copy(peer, d, pos)
+                if not row_unchanged(read_at, peer.addr.board, row):
+                    raise ReadRefused(ErrorCode.NOT_HELD, f"request {request_id}: the hold ended while it was read")
+            except Exception as e:
+                if not isinstance(e, OSError | ReadRefused | ValueError):
+                    report("cma reads", e, f"one-sided read for {request_id} from {peer_id}")
+                result = BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
+            else:
+                result = BatchResult(batch_id, peer_id, request_id, d.nbytes, None)
+            self.one_sided_reads += 1
+        self._finish(result)
+        return True
 
     def _wake(self) -> None:
         try:

@@ -91,6 +91,9 @@ class HoldRegistry:
         self._lock = threading.Lock()
         self.refused_reads = 0
         self.released_by: dict[ReleaseReason, int] = dict.fromkeys(RELEASE_REASONS, 0)
+        # told, under the lock, of every pull hold made (its block ids) and every hold ended (None):
+        # a one-sided data plane publishes them (kvxfer.transfer.hold_board)
+        self.on_change: Callable[[str, np.ndarray | None], None] | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -124,6 +127,8 @@ class HoldRegistry:
             if request_id in self._holds:
                 raise ValueError(f"request {request_id} is already held")
             self._holds[request_id] = h
+            if self.on_change is not None and h.saved is None:
+                self.on_change(request_id, ids)
             forget_after = self._early_abandons.pop(request_id, None)
             if forget_after is not None and forget_after > now:  # its consumer gave up before the hold came
                 self._release(request_id, "abandoned", "abandoned by the consumer before the hold was made")
@@ -202,6 +207,8 @@ class HoldRegistry:
         """Caller holds the lock."""
         if self._holds.pop(request_id, None) is None:
             return False
+        if self.on_change is not None:  # before the engine can learn of it (take_released) and free the blocks
+            self.on_change(request_id, None)
         self._released.append(request_id)
         self.released_by[reason] += 1
         logger.debug("request %s: hold released (%s: %s)", request_id, reason, why)

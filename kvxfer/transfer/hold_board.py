@@ -1,0 +1,142 @@
+"""Holds published in the producer's memory, so a one-sided reader checks a read without asking.
+
+A data plane that reads the producer's memory directly (``cma``: ``process_vm_readv``) would
+otherwise ask the producer for a grant before every copy: a round trip through two processes'
+threads that cost more than copying a 2 MiB block. The producer instead publishes each pull
+hold on a board: a fixed table of rows ``(key, ticket, address, count)``, where ``key`` is a
+hash of the request id, ``ticket`` a number never used twice, and ``address``/``count`` the
+hold's block ids (an int64 array the board keeps alive while the row is published).
+
+A reader (see :func:`check_one_sided`) reads the row, the block ids, checks that every block
+its pieces touch is held, copies, and reads the row again: the copy stands only if the row is
+unchanged. The producer clears the ticket *before* the engine can learn that the hold ended
+(``HoldRegistry`` calls the board under its lock, and the engine frees blocks only after
+``take_released``), so an unchanged row after the copy means the blocks were pinned the whole
+time. Tickets are never reused, so a row released and published again cannot look unchanged.
+A request not on the board (never held, a full probe window, a push hold) is read the
+two-sided way, with a grant: the board only ever makes reads faster, never different.
+
+Like an RDMA one-sided read, the check is the reader's own: a process that may read another's
+memory (cma needs ptrace rights) could skip it. The producer that wants every read checked by
+itself turns the board off (``cma``'s ``one_sided: false``).
+
+Threads: ``publish``/``withdraw`` are called under the hold registry's lock (one writer at a
+time); readers are other processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+SLOTS = 4096  # rows a request id hashes to
+WINDOW = 8  # rows probed from its hash (the table has SLOTS + WINDOW rows: no wrap-around)
+ROW = 4  # int64 fields: key, ticket, address of the block ids, their count
+ROW_BYTES = ROW * 8
+
+
+def key_of(request_id: str) -> int:
+    """A nonzero 63-bit hash of a request id (the same in every process)."""
+    h = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return h or 1
+
+
+class HoldBoard:
+    """The producer's table of published holds (see the module docstring)."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        self.slots = slots
+        self.table = np.zeros((slots + WINDOW, ROW), dtype=np.int64)
+        self._rows: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (row, its block ids, kept alive)
+        self._tickets = itertools.count(1)
+        self.full = 0  # holds not published: every row of their window was taken
+
+    @property
+    def address(self) -> int:
+        return int(self.table.ctypes.data)
+
+    @property
+    def rows(self) -> int:
+        return len(self.table)
+
+    def publish(self, request_id: str, block_ids: np.ndarray) -> bool:
+        """Publish a hold's blocks; False when its window is full (reads then ask for grants)."""
+        self.withdraw(request_id)
+        key = key_of(request_id)
+        first = key % self.slots
+        window = self.table[first : first + WINDOW, 1]
+        free = np.flatnonzero(window == 0)
+        if not len(free):
+            self.full += 1
+            return False
+        row = first + int(free[0])
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        self._rows[request_id] = (row, ids)
+        r = self.table[row]
+        r[0], r[2], r[3] = key, ids.ctypes.data, len(ids)
+        r[1] = next(self._tickets)  # last: a reader that sees this ticket sees the fields before it
+        return True
+
+    def withdraw(self, request_id: str) -> None:
+        """The hold ended: clear its ticket first (a reader's second look then fails)."""
+        entry = self._rows.pop(request_id, None)
+        if entry is not None:
+            self.table[entry[0], 1] = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def find_row(window: np.ndarray, key: int) -> np.ndarray | None:
+    """The published row for ``key`` among ``window`` ([WINDOW, ROW] int64 read from a board)."""
+    hit = np.flatnonzero((window[:, 0] == key) & (window[:, 1] != 0))
+    return window[int(hit[0])].copy() if len(hit) else None
+
+
+def blocks_held(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
+    """Whether every block of every range ``[first[i], last[i]]`` is among ``held``."""
+    if not len(first):
+        return True
+    if not len(held) or held.min() < 0:
+        return False
+    top = int(max(held.max(), last.max()))
+    mask = np.zeros(top + 2, dtype=np.int64)
+    mask[held + 1] = 1
+    cs = np.cumsum(mask)
+    return bool(((cs[last + 1] - cs[first]) == (last - first + 1)).all())
+
+
+def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], request_id: str,
+                    first: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+    """Before a one-sided copy: the board row proving blocks ``first..last`` (per piece) are held
+    for ``request_id``, or None (not published, or some block not in the hold: ask for a grant).
+
+    ``read_at(address, nbytes)`` reads the producer's memory (an OSError means None here);
+    ``board`` is the producer's (address, rows). After the copy, the caller reads the row again
+    (:func:`row_unchanged`): the copy stands only if it is."""
+    address, rows = board
+    key = key_of(request_id)
+    first_row = key % (rows - WINDOW)
+    try:
+        window = read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
+        row = find_row(window, key)
+        if row is None or not 0 < row[3] <= 1 << 24:
+            return None
+        held = read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
+    except OSError:
+        return None
+    return row if blocks_held(first, last, held) else None
+
+
+def row_unchanged(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], row: np.ndarray) -> bool:
+    """After the copy: is the row that allowed it still the same (so the blocks stayed held)?"""
+    address, rows = board
+    first_row = int(row[0]) % (rows - WINDOW)
+    try:
+        window = read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
+    except OSError:
+        return False
+    return bool((window == row).all(axis=1).any())

@@ -1,0 +1,195 @@
+"""The hold board: holds a producer publishes so that a one-sided reader (cma) checks a read itself.
+
+The board's rows and the reader's checks are read through real process_vm_readv (the cma
+plane's copy_from, on this process); the planes at the end are two real cma planes in one
+process, the producer's holds kept by a real HoldRegistry.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from kvxfer.connectors.cma import CmaDataPlane, copy_from
+
+from kvxfer.cache.tensors import MemoryRegion
+from kvxfer.dataplane import BatchResult, Descriptors
+from kvxfer.protocol import ErrorCode
+from kvxfer.topology import ParallelLayout
+from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, key_of, row_unchanged
+from kvxfer.transfer.producer import HoldRegistry
+
+STRIDE = 4096
+NB = 32
+
+
+def read_at(address: int, nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    copy_from(os.getpid(), np.array([[buf.ctypes.data, nbytes]], dtype=np.uint64),
+              np.array([[address, nbytes]], dtype=np.uint64))
+    return buf
+
+
+def ranges(blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    b = np.array(blocks, dtype=np.int64)
+    return b, b
+
+
+def test_a_published_hold_allows_reads_of_its_blocks_only() -> None:
+    board = HoldBoard(slots=64)
+    at = (board.address, board.rows)
+    assert board.publish("r1", np.array([3, 4, 9]))
+    row = check_one_sided(read_at, at, "r1", *ranges([3, 9]))
+    assert row is not None and row[0] == key_of("r1")
+    assert check_one_sided(read_at, at, "r1", np.array([3]), np.array([5])) is None  # 5 is not held
+    assert check_one_sided(read_at, at, "r1", *ranges([10])) is None
+    assert check_one_sided(read_at, at, "r2", *ranges([3])) is None  # not published
+    assert check_one_sided(read_at, at, "r1", np.array([3]), np.array([4])) is not None  # a run of 3..4
+    assert row_unchanged(read_at, at, row)
+
+
+def test_a_row_changed_after_the_check_voids_the_copy() -> None:
+    """Withdrawn, or withdrawn and published again for the same id (a new ticket): the reader's
+    second look fails either way."""
+    board = HoldBoard(slots=64)
+    at = (board.address, board.rows)
+    board.publish("r", np.array([1, 2]))
+    row = check_one_sided(read_at, at, "r", *ranges([1, 2]))
+    assert row is not None
+    board.withdraw("r")
+    assert not row_unchanged(read_at, at, row)
+    assert check_one_sided(read_at, at, "r", *ranges([1])) is None
+    board.publish("r", np.array([1, 2]))
+    assert not row_unchanged(read_at, at, row)
+    again = check_one_sided(read_at, at, "r", *ranges([1]))
+    assert again is not None and again[1] != row[1]
+
+
+def test_a_full_window_leaves_the_hold_unpublished() -> None:
+    board = HoldBoard(slots=1)  # every id hashes to row 0: WINDOW rows in all
+    for i in range(WINDOW):
+        assert board.publish(f"r{i}", np.array([i]))
+    assert not board.publish("late", np.array([1]))
+    assert board.full == 1 and len(board) == WINDOW
+    assert check_one_sided(read_at, (board.address, board.rows), "late", *ranges([1])) is None
+    board.withdraw("r0")
+    assert board.publish("late", np.array([1]))
+
+
+def registry(clock: list[float]) -> HoldRegistry:
+    layout = ParallelLayout(tp_size=1, pp_size=1, num_layers=1, num_kv_heads=1)
+    return HoldRegistry(layout, 0, 0, NB, {0: (STRIDE, NB * STRIDE)}, 1.0, 600.0, lambda: clock[0],
+                        region_layers={0: (0, 1)})
+
+
+def test_the_registry_publishes_pull_holds_and_withdraws_every_ended_one_before_the_engine_hears() -> None:
+    clock = [0.0]
+    holds = registry(clock)
+    board = HoldBoard(slots=64)
+    seen: list[tuple[str, bool]] = []
+
+    def on_change(rid: str, ids: np.ndarray | None) -> None:
+        seen.append((rid, ids is not None))
+        if ids is None:
+            board.withdraw(rid)
+            assert rid not in holds._released, "withdrawn after the engine could free the blocks"
+        else:
+            board.publish(rid, ids)
+
+    holds.on_change = on_change
+    holds.hold("pull", [1, 2], 20)
+    holds.hold("push", [3], 10, streaming=True)  # a push hold's layers are not all saved: not published
+    holds.hold("gone", [4], 10)
+    assert seen == [("pull", True), ("gone", True)] and len(board) == 2
+    holds.abandon("gone", "test")
+    holds.release("push")
+    clock[0] = 5.0
+    holds.expire()
+    assert sorted(seen[2:]) == [("gone", False), ("pull", False), ("push", False)]
+    assert len(board) == 0 and sorted(holds.take_released()) == ["gone", "pull", "push"]
+
+
+class Pair:
+    """A producer and a consumer cma plane in this process; the producer's holds in a registry."""
+
+    def __init__(self, one_sided: bool = True) -> None:
+        self.src = np.random.default_rng(0).integers(0, 255, NB * STRIDE, dtype=np.uint8)
+        self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
+        self.producer = CmaDataPlane({"one_sided": one_sided})
+        self.consumer = CmaDataPlane()
+        self.producer.register([region(0, self.src)])
+        self.consumer.register([region(0, self.dst)])
+        self.holds = registry([0.0])
+        self.holds.on_change = self.producer.hold_changed
+        self.producer.set_read_validator(self.holds.validate)
+        self.consumer.connect("p", self.producer.address())
+
+    def read(self, request_id: str, remote: list[int], local: list[int]) -> BatchResult:
+        n = len(remote)
+        d = Descriptors(np.zeros(n, np.int64), np.array(remote, np.int64) * STRIDE, np.zeros(n, np.int64),
+                        np.array(local, np.int64) * STRIDE, np.full(n, STRIDE, np.int64))
+        batch = self.consumer.read("p", request_id, d)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for r in self.consumer.poll():
+                assert r.batch_id == batch
+                return r
+            time.sleep(0.001)
+        raise AssertionError("no result within 10 s")
+
+    def arrived(self, remote: list[int], local: list[int]) -> bool:
+        return all(np.array_equal(self.src[r * STRIDE:(r + 1) * STRIDE], self.dst[i * STRIDE:(i + 1) * STRIDE])
+                   for r, i in zip(remote, local, strict=True))
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.close()
+
+
+def region(rid: int, a: np.ndarray) -> MemoryRegion:
+    return MemoryRegion(region_id=rid, address=a.ctypes.data, length=a.nbytes, block_stride=STRIDE, num_blocks=NB,
+                        layers=(0, 1), kind="KV")
+
+
+@pytest.fixture
+def pair() -> Pair:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_cma_reads_a_published_hold_one_sided_and_asks_for_anything_else(pair: Pair) -> None:
+    pair.holds.hold("r", [5, 6, 7], 48)
+    res = pair.read("r", [7, 5], [1, 2])
+    assert res.ok and res.nbytes == 2 * STRIDE and pair.arrived([7, 5], [1, 2])
+    assert (pair.consumer.one_sided_reads, pair.consumer.granted_reads) == (1, 0)
+    assert pair.holds.refused_reads == 0  # the producer was not asked
+
+    res = pair.read("r", [5, 8], [3, 4])  # block 8 is not held: the producer refuses it, by name
+    assert not res.ok and res.code is ErrorCode.OUT_OF_BOUNDS and "not held for it" in (res.error or "")
+    res = pair.read("other", [5], [3])
+    assert not res.ok and res.code is ErrorCode.NOT_HELD
+    assert pair.consumer.granted_reads == 2 and pair.holds.refused_reads == 2
+    assert not pair.dst[3 * STRIDE:5 * STRIDE].any(), "a refused read wrote nothing"
+
+    pair.holds.release("r")
+    res = pair.read("r", [7], [6])
+    assert not res.ok and res.code is ErrorCode.NOT_HELD and not pair.dst[6 * STRIDE:7 * STRIDE].any()
+
+
+def test_a_producer_without_the_board_grants_every_read() -> None:
+    p = Pair(one_sided=False)
+    try:
+        p.holds.hold("r", [1, 2], 32)
+        res = p.read("r", [1, 2], [9, 10])
+        assert res.ok and p.arrived([1, 2], [9, 10])
+        assert (p.consumer.one_sided_reads, p.consumer.granted_reads) == (0, 1)
+    finally:
+        p.close()
+
+
+def test_one_sided_option_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="one_sided: expected true or false"):
+        CmaDataPlane({"one_sided": "yes"})
