@@ -12,11 +12,13 @@ import time
 from collections.abc import Iterator
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
 from kvxfer.agent import client as agent_client
 from kvxfer.agent.client import AgentConnector
+from kvxfer.agent.messages import StartLoad
 from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import (
     CacheConfig,
@@ -169,30 +171,48 @@ def test_a_killed_agent_fails_its_loads_with_their_blocks_and_reports_broken(pai
     assert out.codes["r1"] == ErrorCode.PLANE_BROKEN and "transfer agent" in out.errors["r1"]
     assert time.monotonic() - t0 < 10
     assert c.broken is not None and c.stats()["broken"] == 1
-    c.start_load("r2", params, [9])  # a broken rank fails every later load at once
-    assert wait_for(c, "r2", timeout_s=2).failed == {"r2": [9]}
+    c.start_load("r2", params, [9, 10])  # a broken rank fails every later load at once
+    assert wait_for(c, "r2", timeout_s=2).failed == {"r2": [9, 10]}
     c.wait("r3", params)  # the request path goes on: nothing to renew or abandon through a dead agent
     c.abandon("r3", params)
 
 
 def test_a_hung_agent_is_killed_and_its_loads_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(agent_client, "COMMAND_S", 1.0)
+    """start_load is one-way: a stopped agent does not stop the engine's thread; the load it
+    never finishes fails with its block ids AGENT_GRACE_S past its deadline, the agent killed."""
+    monkeypatch.setattr(agent_client, "AGENT_GRACE_S", 1.0)
     p, _ = make(cfg("prefill"), fill=1)
     c, _ = make(cfg("decode", transfer_s=1.0, hold_wait_s=0.5))
     try:
         assert isinstance(c, AgentConnector) and c.process is not None
         params = p.hold("r1", [1], 10)
-        c.process.send_signal(signal.SIGSTOP)  # a stopped agent cannot answer a command ...
+        c.process.send_signal(signal.SIGSTOP)  # a stopped agent reads no command ...
         t0 = time.monotonic()
         c.start_load("r1", params, [3])
-        assert time.monotonic() - t0 < 5
-        assert c.process.poll() is not None  # ... so it was killed, and the load fails with its block
-        out = wait_for(c, "r1", timeout_s=2)
-        assert out.failed == {"r1": [3]} and "did not answer StartLoad" in out.errors["r1"]
-        assert c.broken is not None
+        assert time.monotonic() - t0 < 1.0, "start_load waited for the agent"
+        out = wait_for(c, "r1", timeout_s=10)  # ... so it is killed, and the load fails with its block
+        assert out.failed == {"r1": [3]} and "past its deadline" in out.errors["r1"]
+        assert time.monotonic() - t0 >= 2.0  # transfer_s + AGENT_GRACE_S: not before
+        assert c.process.poll() is not None and c.broken is not None
     finally:
         c.close()
         p.close()
+
+
+def test_a_one_way_load_the_agent_refuses_fails_at_poll_with_its_blocks(pair: tuple) -> None:
+    """The engine checks a load before it sends it one-way; a load the agent refuses all the same
+    (sent here past the engine's checks, as a bug there would) is reported failed, not lost."""
+    p, _, c, _ = pair
+    assert isinstance(c, AgentConnector)
+    params = p.hold("r1", [1, 2], 32)
+    with c._lock:
+        c._loads["bad"] = agent_client._Load(np.array([5, 999]), time.monotonic() + 10)
+    c._send_only(StartLoad("bad", params, [5, 999], 0))  # 999 is past the cache's 64 blocks
+    out = wait_for(c, "bad", timeout_s=10)
+    assert out.failed == {"bad": [5, 999]} and out.codes["bad"] is ErrorCode.BAD_PARAMS
+    assert "must be in [0, 64)" in out.errors["bad"]
+    c.start_load("r1", params, [7, 8])  # the agent goes on
+    assert wait_for(c, "r1").receiving == ["r1"]
 
 
 def test_an_agent_exits_when_its_engine_dies() -> None:

@@ -65,6 +65,7 @@ from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading
+from kvxfer.transfer.load import checked_load_ids
 
 logger = logging.getLogger(__name__)
 
@@ -390,31 +391,31 @@ class AgentConnector:
     # ------------------------------------------------------------------ consumer
     def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                    num_cached_tokens: int = 0) -> None:
-        """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
+        """Begin pulling the request's blocks; ``poll`` reports it finished or failed.
+
+        Checked here (a ValueError names what is wrong, nothing changes), then sent one-way: the
+        engine's thread does not wait for the agent (a round trip, and on a busy engine a second
+        wait for its own GIL). Should the agent still refuse it, the load fails at ``poll``."""
         if self.config.role not in ("decode", "both"):
             raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
-        ids = np.asarray(local_block_ids, dtype=np.int64)
-        need = -(-params.num_tokens // self.config.cache.block_size)
-        with self._lock:  # recorded before the command: its completion may come before the reply
+        if self.cache is None:
+            raise RuntimeError("start_load: register_kv_caches first")
+        ids = checked_load_ids(request_id, params, local_block_ids, num_cached_tokens, self.cache.spec.block_size,
+                               self.cache.num_blocks, self.layout)
+        with self._lock:  # recorded before the command: its completion may come before the send returns
             if request_id in self._loads:
                 raise AlreadyLoading(f"request {request_id} is already loading")
             if self._dead is not None:  # as a broken rank does: the load fails at the next poll
-                self._fail_locked(request_id, ids[:need], self._dead)
+                self._fail_locked(request_id, ids, self._dead)
                 return
-            self._loads[request_id] = _Load(ids[:need], self.clock() + self.config.connector.timeouts.transfer_s)
+            self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
         try:
-            self._checked(self._call(StartLoad(request_id, params, ids.tolist(), num_cached_tokens)))
-        except ValueError:
-            with self._lock:
-                self._loads.pop(request_id, None)
-            raise
+            self._send_only(StartLoad(request_id, params, ids.tolist(), num_cached_tokens))
         except RuntimeError:
-            with self._lock:
+            with self._lock:  # the agent died around the send: the load fails at the next poll
                 load = self._loads.pop(request_id, None)
-                if self._dead is None:  # refused for another reason: not loading
-                    raise
-                if load is not None:  # the agent died around the command: fails at the next poll
-                    self._fail_locked(request_id, load.block_ids, self._dead)
+                if load is not None:
+                    self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
 
     def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                 num_cached_tokens: int = 0) -> PushTarget:

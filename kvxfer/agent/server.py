@@ -6,8 +6,10 @@ the agent's threads, under the agent's own GIL: an engine whose Python is busy d
 its transfers, and the engine spends a command round trip per request, not a GIL hand-off
 per piece. The agent exits when its engine closes the command channel (or dies).
 
-Threads: the main thread answers commands, in order (``SaveLayer`` is one-way: no answer); the
-event thread polls the connector and sends what finished. Nothing else in the process touches the channels.
+Threads: the main thread answers commands, in order (``SaveLayer`` and ``StartLoad`` are one-way:
+no answer; a load refused here is reported failed through the events); the event thread polls the
+connector and sends what finished (and those refusals, from ``_refused``, under ``_refused_lock``).
+Nothing else in the process touches the channels.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from kvxfer.cache.spec import spec_from_config
 from kvxfer.config import InstanceConfig, convert
 from kvxfer.connector import Connector
 from kvxfer.metrics import Histogram
-from kvxfer.supervise import report
+from kvxfer.protocol import ErrorCode
+from kvxfer.supervise import code_of, describe, report
 from kvxfer.transfer.aggregator import Finished
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class Agent:
         self.conn: Connector | None = None
         self._stop = threading.Event()
         self._broken: str | None = None
+        self._refused = Finished()  # one-way loads the connector refused: sent as failed with the next events
+        self._refused_lock = threading.Lock()
         self.parent = os.getppid()
 
     def run(self) -> int:
@@ -111,6 +116,8 @@ class Agent:
                     break
                 if isinstance(cmd, SaveLayer):  # one-way: the engine does not wait for an answer
                     self._save_layer(cmd)
+                elif isinstance(cmd, StartLoad):  # one-way too
+                    self._start_load(cmd)
                 elif cmd is not None:
                     self._reply(self._answer(cmd))
         finally:
@@ -155,9 +162,6 @@ class Agent:
             if isinstance(cmd, Reserve):
                 return Reserved(target=conn.reserve(cmd.request_id, cmd.local_block_ids, cmd.num_tokens,
                                                     cmd.num_cached_tokens))
-            if isinstance(cmd, StartLoad):
-                conn.start_load(cmd.request_id, cmd.params, cmd.local_block_ids, cmd.num_cached_tokens)
-                return Done()
             if isinstance(cmd, Release):
                 return Done(value=conn.release(cmd.request_id))
             if isinstance(cmd, Wait):
@@ -192,6 +196,21 @@ class Agent:
         except Exception as e:
             report("agent command SaveLayer", e, "that layer's push notice (the reads of the hold end at its lease)")
 
+    def _start_load(self, cmd: StartLoad) -> None:
+        """A load, one-way: the engine checked its arguments and counts it loading, so one the
+        connector refuses anyway is reported failed, with its block ids, by the next events."""
+        assert self.conn is not None
+        try:
+            self.conn.start_load(cmd.request_id, cmd.params, cmd.local_block_ids, cmd.num_cached_tokens)
+        except Exception as e:
+            code = ErrorCode.BAD_PARAMS if isinstance(e, ValueError) else code_of(e)
+            if not isinstance(e, ValueError):
+                report("agent command StartLoad", e, f"request {cmd.request_id} (failed)")
+            with self._refused_lock:
+                self._refused.failed[cmd.request_id] = list(cmd.local_block_ids)
+                self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
+                self._refused.codes[cmd.request_id] = code
+
     def _send_events(self) -> None:
         conn = self.conn
         assert conn is not None
@@ -199,6 +218,10 @@ class Agent:
         while not self._stop.is_set():
             try:
                 pending.extend(conn.poll(EVENT_WAIT_S if conn.consumer is not None else 0.0))
+                with self._refused_lock:
+                    if self._refused:
+                        pending.extend(self._refused)
+                        self._refused = Finished()
                 broken = conn.broken
                 if pending or broken != self._broken:
                     self._broken = broken

@@ -41,7 +41,7 @@ from kvxfer.protocol import (
     compat_hash,
 )
 from kvxfer.supervise import code_of, describe, report
-from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible, readers_of, remote_sources
+from kvxfer.topology import ParallelLayout, SourceSlice, readers_of, remote_sources
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.load import (
     AbandonRequest,
@@ -58,11 +58,11 @@ from kvxfer.transfer.load import (
     RenewNow,
     Stop,
     Wake,
+    checked_load_ids,
 )
 from kvxfer.transfer.planner import (
     FUSED_REPACKABLE,
     SideLayout,
-    check_alignment,
     concat,
     finish_staged,
     plan_direct,
@@ -156,28 +156,14 @@ class Consumer(PushReceiver):
     def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                    num_cached_tokens: int = 0) -> None:
         """Check the arguments (raising, with no state change), then load in the background."""
-        ids = np.asarray(local_block_ids, dtype=np.int64)
         L = self.cache.spec.block_size
-        need = math.ceil(params.num_tokens / L)
-        if ids.ndim != 1 or len(ids) < need:
-            raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
-                             f"{L}, got {len(ids)}")
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.cache.num_blocks):
-            raise ValueError(f"request {request_id}: local block ids must be in [0, {self.cache.num_blocks})")
-        if len(np.unique(ids[:need])) != need:
-            raise ValueError(f"request {request_id}: local block ids repeat")
-        if not 0 <= num_cached_tokens <= params.num_tokens:
-            raise ValueError(f"request {request_id}: num_cached_tokens must be in [0, {params.num_tokens}]")
-        check_alignment(num_cached_tokens, params.block_size, L)
-        check_compatible(self.layout, params.layout)
-        if len(params.block_ids) < math.ceil(params.num_tokens / params.block_size):
-            raise ValueError(f"request {request_id}: params carry {len(params.block_ids)} remote blocks for "
-                             f"{params.num_tokens} tokens of {params.block_size}")
+        ids = checked_load_ids(request_id, params, local_block_ids, num_cached_tokens, L, self.cache.num_blocks,
+                               self.layout)
         with self._lock:
             if request_id in self._loads:
                 raise AlreadyLoading(f"request {request_id} is already loading")
             self._waiting.pop(request_id, None)
-            load = Load(request_id, params, ids[:need], num_cached_tokens, self.clock() + self.transfer_s,
+            load = Load(request_id, params, ids, num_cached_tokens, self.clock() + self.transfer_s,
                         local_block_size=L)
             self._loads[request_id] = load
             self.stats.load_started()

@@ -3,7 +3,9 @@ notices its threads pass (see :class:`kvxfer.transfer.consumer.Consumer` for who
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,8 +21,8 @@ from kvxfer.protocol import (
     LeaseRenew,
     RemoteRank,
 )
-from kvxfer.topology import SourceSlice
-from kvxfer.transfer.planner import SideLayout, StagedPlan
+from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible
+from kvxfer.transfer.planner import SideLayout, StagedPlan, check_alignment
 
 
 class AlreadyLoading(ValueError):
@@ -178,3 +180,28 @@ class Notice:
 
     rank: RemoteRank
     msg: DoneNotice | Abandon | LeaseRenew
+
+
+def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
+                     num_cached_tokens: int, block_size: int, num_blocks: int, layout: ParallelLayout) -> np.ndarray:
+    """``start_load``'s checks (a ValueError names what is wrong): the local block ids the load
+    writes, as many as the request's tokens need. Shared with the agent's engine side, which
+    checks before it sends the load one-way."""
+    ids = np.asarray(local_block_ids, dtype=np.int64)
+    L = block_size
+    need = math.ceil(params.num_tokens / L)
+    if ids.ndim != 1 or len(ids) < need:
+        raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
+                         f"{L}, got {len(ids)}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise ValueError(f"request {request_id}: local block ids must be in [0, {num_blocks})")
+    if len(np.unique(ids[:need])) != need:
+        raise ValueError(f"request {request_id}: local block ids repeat")
+    if not 0 <= num_cached_tokens <= params.num_tokens:
+        raise ValueError(f"request {request_id}: num_cached_tokens must be in [0, {params.num_tokens}]")
+    check_alignment(num_cached_tokens, params.block_size, L)
+    check_compatible(layout, params.layout)
+    if len(params.block_ids) < math.ceil(params.num_tokens / params.block_size):
+        raise ValueError(f"request {request_id}: params carry {len(params.block_ids)} remote blocks for "
+                         f"{params.num_tokens} tokens of {params.block_size}")
+    return ids[:need]
