@@ -284,6 +284,11 @@ class ConnectorConfig(Config, frozen=True):
     # wait for the engine's GIL), in the engine's process, or auto: the agent for every data
     # plane that works across processes (all but ``local``).
     data_path: Literal["auto", "agent", "engine"] = "auto"
+    # A load of at most this many bytes (this rank's share), from producer ranks already known,
+    # is planned and issued on the thread that calls start_load (the agent's, with a transfer
+    # agent), and on cma copied there too: no hand-off to the worker thread. 0: every load goes
+    # through the worker.
+    inline_load_bytes: NonNegativeInt = 16 << 20
 
     @check("data_plane")
     def _check_data_plane(self) -> Iterator[Problem]:

@@ -200,7 +200,8 @@ class Connector:
                                      cache, self.plane, self.client, self.secret, self.config.model.name,
                                      t.transfer_s, t.lease_s, self.clock, on_loaded=self._unstage,
                                      metrics=self.metrics, hold_wait_s=t.hold_wait_s,
-                                     reservation_s=t.reservation_s)
+                                     reservation_s=t.reservation_s,
+                                     inline_load_bytes=self.config.connector.inline_load_bytes)
         if self.config.role in ("prefill", "both"):
             self.pusher = Pusher(self.config.engine_id, self.rank, self.layout, self.holds,
                                  SideChannelClient(t.handshake_s, t.handshake_retries), self.secret)

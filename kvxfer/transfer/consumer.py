@@ -88,9 +88,13 @@ class Consumer(PushReceiver):
     Threads and what each owns:
     - the engine's thread calls ``start_load``, ``reserve``, ``wait``, ``wait_layer``,
       ``abandon``, ``poll`` and ``close``; the side-channel thread calls ``layers_ready``;
-    - the worker thread (``_run``) owns ``_peers``, ``_in_flight``, ``_read_again``, every
-      ``Load``'s mutable fields and every ``Batch``; it alone calls the data plane (but for
-      the completion callback, which only queues a ``Wake``);
+    - the worker's state, ``_peers``, ``_in_flight``, ``_read_again``, every ``Load``'s mutable
+      fields and every ``Batch``, belongs to whoever holds ``_turn_lock``: the worker thread
+      (``_run``) for each turn, or, on the fast path, the thread in ``start_load``: a load of at
+      most ``inline_load_bytes`` from producer ranks already handshaken is begun on the caller's
+      thread, with the plane's finished reads taken at once (cma copies one-sided in ``read``,
+      so a small load is done when ``start_load`` returns: no thread hand-off). Only the holder
+      calls the data plane (but for the completion callback, which only queues a ``Wake``);
     - the notifier thread (``_notify_loop``) sends ``Notice``s; it owns nothing else.
     ``_loads``, ``_waiting``, ``_done``, ``_outcomes``, ``_broken`` and every push load's
     ``landed`` are shared: read and written under ``_lock`` (``_layer_cv`` is its condition).
@@ -107,7 +111,7 @@ class Consumer(PushReceiver):
                  clock: Callable[[], float] = time.monotonic,
                  on_loaded: Callable[[list[int]], None] | None = None,
                  metrics: ConnectorMetrics | None = None, hold_wait_s: float = 1.0,
-                 reservation_s: float = 60.0) -> None:
+                 reservation_s: float = 60.0, inline_load_bytes: int = 0) -> None:
         self.engine_id = engine_id
         self.rank = rank
         self.layout = layout
@@ -125,6 +129,7 @@ class Consumer(PushReceiver):
         # finished, and the decode side, told by that same response, can ask first.
         self.hold_wait_s = hold_wait_s
         self.reservation_s = reservation_s
+        self.inline_load_bytes = inline_load_bytes
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
@@ -146,6 +151,7 @@ class Consumer(PushReceiver):
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not (wait_layer)
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
+        self._turn_lock = threading.Lock()  # who holds it owns the worker's state (see the class doc)
         plane.set_completion_callback(lambda: self._jobs.put(Wake()))
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
@@ -167,7 +173,8 @@ class Consumer(PushReceiver):
                         local_block_size=L)
             self._loads[request_id] = load
             self.stats.load_started()
-        self._jobs.put(BeginLoad(load))
+        if not self._begin_here(load):
+            self._jobs.put(BeginLoad(load))
         self._check_worker()  # a stopped worker would never begin it: fail it now
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
@@ -213,6 +220,28 @@ class Consumer(PushReceiver):
         self._worker.join(timeout=10)
         self._notifier.join(timeout=10)
 
+    def _begin_here(self, load: Load) -> bool:
+        """The fast path (class doc): begin a small load on this thread if the worker is not in a
+        turn and every producer rank it reads is known (no handshake here); False: queue it."""
+        if len(load.local_blocks_full) * self.cache.spec.bytes_per_block > self.inline_load_bytes:
+            return False
+        if not self._turn_lock.acquire(blocking=False):
+            return False
+        try:
+            params = load.source
+            ranks = {r.rank: r for r in params.ranks}
+            for rr in self._slices_by_rank(params):
+                peer = self._peers.get((params.engine_id, rr))
+                if rr not in ranks or peer is None or peer.meta.generation != ranks[rr].generation:
+                    return False
+            if self._broken is not None or not self._worker.is_alive():
+                return False
+            self._begin(load)
+            self._poll_plane()  # what the plane finished (cma: this load) is reported now
+            return True
+        finally:
+            self._turn_lock.release()
+
     def _check_worker(self) -> None:
         """The engine's own guarantee that nothing hangs: if the worker thread has stopped
         (it should not: every step is supervised), fail every load it would have finished."""
@@ -237,7 +266,8 @@ class Consumer(PushReceiver):
             if isinstance(job, Stop):
                 break
             try:
-                next_renew = self._turn(job, next_renew)
+                with self._turn_lock:
+                    next_renew = self._turn(job, next_renew)
             except Exception as e:  # a bug outside the guarded steps: logged, and the worker goes on
                 report("consumer worker", e)
         self.client.close_thread()
