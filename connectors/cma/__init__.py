@@ -75,6 +75,38 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _readv = _libc.process_vm_readv
 _readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 _readv.restype = ctypes.c_ssize_t
+# the same call with the GIL kept: a read of a few bytes takes a microsecond, and releasing the GIL
+# for it would let every thread waiting for the GIL run first
+_peekv = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).process_vm_readv
+_peekv.argtypes = _readv.argtypes
+_peekv.restype = ctypes.c_ssize_t
+PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) keep the GIL
+KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class Peeker:
+    """Small reads of one process's memory (the hold board), the GIL kept; one thread at a time."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._local = _Iovec()
+        self._remote = _Iovec()
+
+    def __call__(self, address: int, nbytes: int) -> np.ndarray:
+        if not 0 < nbytes <= PEEK_MAX:
+            raise OSError(f"a read of {nbytes} bytes from pid {self.pid} is not a small read")
+        out = np.empty(nbytes, dtype=np.uint8)
+        self._local.base, self._local.len = out.ctypes.data, nbytes
+        self._remote.base, self._remote.len = address, nbytes
+        got = _peekv(self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0)
+        if got != nbytes:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv from pid {self.pid}: {os.strerror(err) if got < 0 else 'short'}")
+        return out
 
 
 def _boot_id() -> str:
@@ -102,6 +134,7 @@ class _Peer:
     ids: np.ndarray
     sizes: np.ndarray
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
+    peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
 
 
 @dataclass
@@ -115,14 +148,16 @@ class _Awaited:
     deadline: float
 
 
-def copy_from(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
+def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -> None:
     """Copy the pieces ``remote`` [n, 2] (address, length) of process ``pid`` into ``local`` [n, 2];
-    IOV_MAX at a time, the GIL released during each call. Raises OSError on any failure or
-    short copy."""
+    IOV_MAX at a time, the GIL released during each call unless ``keep_gil`` (a short copy: a
+    busy thread of this process then cannot make the caller wait for the GIL afterwards).
+    Raises OSError on any failure or short copy."""
+    call = _peekv if keep_gil else _readv
     for a in range(0, len(local), IOV_MAX):
         lo, re = np.ascontiguousarray(local[a : a + IOV_MAX]), np.ascontiguousarray(remote[a : a + IOV_MAX])
         want = int(lo[:, 1].sum())
-        got = _readv(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
+        got = call(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
@@ -213,7 +248,7 @@ class CmaDataPlane(HostRegionPlane):
         ids = np.array(sorted(addr.regions), dtype=np.int64)
         peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.uint64), ids,
                      np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
-                     np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64))
+                     np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
         with self._direct_lock:
             if addr.board[1] > 0 and (peer.strides > 0).all():
                 self._direct[peer_id] = peer
@@ -256,14 +291,7 @@ class CmaDataPlane(HostRegionPlane):
             if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
                 return False  # the grant path refuses it, by name
             stride = peer.strides[pos]
-            pid = peer.addr.pid
-
-            def read_at(address: int, nbytes: int) -> np.ndarray:
-                buf = np.empty(nbytes, dtype=np.uint8)
-                copy_from(pid, np.array([[buf.ctypes.data, nbytes]], dtype=np.uint64),
-                          np.array([[address, nbytes]], dtype=np.uint64))
-                return buf
-
+            read_at = peer.peek
             row = check_one_sided(read_at, peer.addr.board, request_id, d.remote_offset // stride,
                                   (d.remote_offset + d.length - 1) // stride)
             if row is None:
@@ -428,7 +456,9 @@ class CmaDataPlane(HostRegionPlane):
         remote = np.empty((len(d), 2), dtype=np.uint64)
         remote[:, 0] = peer.base[pos] + d.remote_offset.astype(np.uint64)
         remote[:, 1] = d.length
-        copy_from(peer.addr.pid, local, remote)
+        # a short copy keeps the GIL: about 0.2 ms per 2 MiB, against a switch interval (5 ms)
+        # to get it back from a busy thread (a spinning engine) once released
+        copy_from(peer.addr.pid, local, remote, keep_gil=d.nbytes <= KEEP_GIL_BYTES)
 
     # ------------------------------------------------------------------ producer
     def _serve(self) -> None:

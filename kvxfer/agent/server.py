@@ -7,8 +7,11 @@ its transfers, and the engine spends a command round trip per request, not a GIL
 per piece. The agent exits when its engine closes the command channel (or dies).
 
 Threads: the main thread answers commands, in order (``SaveLayer`` and ``StartLoad`` are one-way:
-no answer; a load refused here is reported failed through the events); the event thread polls the
-connector and sends what finished (and those refusals, from ``_refused``, under ``_refused_lock``).
+no answer; a load refused here is reported failed through the events); the event thread waits for
+the connector to finish something and sends it. Both send events through ``_flush``, under
+``_events_lock`` (one sender, events in order; ``_pending`` and ``_broken`` are its): the main
+thread right after a ``StartLoad``, so a load the consumer's fast path finished there goes out at
+once, with no hand-off to the event thread. Refused loads wait in ``_refused`` (``_refused_lock``).
 Nothing else in the process touches the channels.
 """
 
@@ -78,6 +81,8 @@ class Agent:
         self._broken: str | None = None
         self._refused = Finished()  # one-way loads the connector refused: sent as failed with the next events
         self._refused_lock = threading.Lock()
+        self._events_lock = threading.Lock()
+        self._pending = Finished()  # what poll gave and no send has carried yet
         self.parent = os.getppid()
 
     def run(self) -> int:
@@ -118,6 +123,7 @@ class Agent:
                     self._save_layer(cmd)
                 elif isinstance(cmd, StartLoad):  # one-way too
                     self._start_load(cmd)
+                    self._flush_now()
                 elif cmd is not None:
                     self._reply(self._answer(cmd))
         finally:
@@ -211,29 +217,49 @@ class Agent:
                 self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
                 self._refused.codes[cmd.request_id] = code
 
+    def _flush(self) -> None:
+        """Send what finished, refused loads and a change of ``broken`` as one Event (if any)."""
+        conn = self.conn
+        assert conn is not None
+        with self._events_lock:
+            self._pending.extend(conn.poll(0.0))
+            with self._refused_lock:
+                if self._refused:
+                    self._pending.extend(self._refused)
+                    self._refused = Finished()
+            broken = conn.broken
+            if self._pending or broken != self._broken:
+                self._broken = broken
+                p = self._pending
+                self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed, errors=p.errors,
+                                       codes=p.codes, broken=broken, sent_at=time.monotonic(), layers=p.layers))
+                self._pending = Finished()
+
+    def _flush_now(self) -> None:
+        """The main thread, after a load: send it if it finished already (the fast path)."""
+        conn = self.conn
+        if conn is None or conn.consumer is None or not conn.consumer.wait_ready(0.0):
+            return
+        try:
+            self._flush()
+        except ChannelClosed:
+            pass  # the engine is gone; the next receive ends the loop
+        except Exception as e:  # kept in _pending: the event thread sends it with its next turn
+            report("agent events", e, "sending after a load")
+
     def _send_events(self) -> None:
         conn = self.conn
         assert conn is not None
-        pending = Finished()  # what poll gave and no send has carried yet
         while not self._stop.is_set():
             try:
-                pending.extend(conn.poll(EVENT_WAIT_S if conn.consumer is not None else 0.0))
-                with self._refused_lock:
-                    if self._refused:
-                        pending.extend(self._refused)
-                        self._refused = Finished()
-                broken = conn.broken
-                if pending or broken != self._broken:
-                    self._broken = broken
-                    self.events.send(Event(sending=pending.sending, receiving=pending.receiving,
-                                           failed=pending.failed, errors=pending.errors, codes=pending.codes,
-                                           broken=broken, sent_at=time.monotonic(), layers=pending.layers))
-                    pending = Finished()
-                if conn.consumer is None:
+                if conn.consumer is not None:
+                    conn.consumer.wait_ready(EVENT_WAIT_S)
+                else:
                     self._stop.wait(EVENT_WAIT_S)
+                self._flush()
             except ChannelClosed:
                 return
-            except Exception as e:  # kept in pending; sent with the next turn's
+            except Exception as e:  # kept in _pending; sent with the next turn's
                 report("agent events", e, "one poll")
                 self._stop.wait(EVENT_WAIT_S)
 

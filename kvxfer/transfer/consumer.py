@@ -152,7 +152,8 @@ class Consumer(PushReceiver):
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()  # who holds it owns the worker's state (see the class doc)
-        plane.set_completion_callback(lambda: self._jobs.put(Wake()))
+        self._here = threading.local()  # .on: this thread is on the fast path (it takes what finishes)
+        plane.set_completion_callback(self._wake)
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
         self._worker.start()
@@ -207,6 +208,10 @@ class Consumer(PushReceiver):
             self.stats.handed_off(len(done_at), len(done_at) * time.monotonic() - math.fsum(done_at))
         return out
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (GIL released) until something finished for ``poll`` to take, or the timeout."""
+        return self._ready.wait(timeout_s)
+
     @property
     def broken(self) -> str | None:
         """Why this rank cannot load any more (every load fails at once), or None."""
@@ -219,6 +224,11 @@ class Consumer(PushReceiver):
         self._notices.put(None)
         self._worker.join(timeout=10)
         self._notifier.join(timeout=10)
+
+    def _wake(self) -> None:
+        """The plane finished a read: wake the worker, unless this thread takes it itself."""
+        if not getattr(self._here, "on", False):
+            self._jobs.put(Wake())
 
     def _begin_here(self, load: Load) -> bool:
         """The fast path (class doc): begin a small load on this thread if the worker is not in a
@@ -236,10 +246,12 @@ class Consumer(PushReceiver):
                     return False
             if self._broken is not None or not self._worker.is_alive():
                 return False
+            self._here.on = True
             self._begin(load)
             self._poll_plane()  # what the plane finished (cma: this load) is reported now
             return True
         finally:
+            self._here.on = False
             self._turn_lock.release()
 
     def _check_worker(self) -> None:
