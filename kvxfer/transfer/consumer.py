@@ -152,6 +152,7 @@ class Consumer(PushReceiver):
         self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()  # who holds it owns the worker's state (see the class doc)
+        self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}  # the turn-lock holder's
         self._here = threading.local()  # .on: this thread is on the fast path (it takes what finishes)
         plane.set_completion_callback(self._wake)
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
@@ -455,9 +456,15 @@ class Consumer(PushReceiver):
             self._issue(batch)
 
     def _slices_by_rank(self, params: KVTransferParams) -> dict[int, list[SourceSlice]]:
-        by_rank: dict[int, list[SourceSlice]] = {}
-        for s in remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout):
-            by_rank.setdefault(s.remote_rank, []).append(s)
+        """What this rank reads of each producer rank (remembered per producer layout: read only)."""
+        by_rank = self._slices.get(params.layout)
+        if by_rank is None:
+            by_rank = {}
+            for s in remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout):
+                by_rank.setdefault(s.remote_rank, []).append(s)
+            if len(self._slices) >= 64:
+                self._slices.clear()
+            self._slices[params.layout] = by_rank
         return by_rank
 
     def _plan_rank(self, load: Load, peer: Peer, sls: list[SourceSlice]) -> Descriptors:
