@@ -69,6 +69,7 @@ def merged(**sections: object) -> dict[str, object]:
          ">= timeouts.transfer_s"),
         (merged(connector={"auth": {"secret_env": "not a name"}}), "connector.auth.secret_env",
          "matching regex"),
+        (merged(connector={"inline_load_bytes": -1}), "connector.inline_load_bytes", ">= 0"),
         (merged(connector={"data_plane": {"streams": [1, 2]}}), "connector.data_plane.streams",
          "expected a str, int, float or bool, got list"),
         (merged(model={"num_kv_heads": 3, "num_heads": 8}), "model.num_heads",

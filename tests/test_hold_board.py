@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
 import numpy as np
 import pytest
+import torch
 from kvxfer.connectors.cma import CmaDataPlane, copy_from
 
 from kvxfer.cache.tensors import MemoryRegion
@@ -193,3 +195,45 @@ def test_a_producer_without_the_board_grants_every_read() -> None:
 def test_one_sided_option_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="one_sided: expected true or false"):
         CmaDataPlane({"one_sided": "yes"})
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_small_cma_load_from_a_known_producer_is_done_when_start_load_returns(inline: bool) -> None:
+    """The consumer's fast path: a load of at most inline_load_bytes, from a producer rank it has
+    handshaken, begins on the caller's thread, and cma copies one-sided there. So it is done, bit
+    for bit, by the time start_load returns. With inline_load_bytes 0 the worker thread does it."""
+    from test_agent import cfg, make
+
+    from kvxfer.config import ConnectorConfig
+
+    dcfg = cfg("decode", "cma", data_path="engine")
+    dcfg = msgspec.structs.replace(dcfg, connector=msgspec.structs.replace(
+        dcfg.connector, inline_load_bytes=(16 << 20) if inline else 0))
+    assert isinstance(dcfg.connector, ConnectorConfig)
+    p, pt = make(cfg("prefill", "cma", data_path="engine"), fill=1)
+    c, ct = make(dcfg)
+    try:
+        first = p.hold("first", [1], 16)  # the first load from a producer handshakes: on the worker
+        c.start_load("first", first, [2])
+        deadline = time.monotonic() + 10
+        while "first" not in c.poll(0.05).receiving:
+            assert time.monotonic() < deadline, "the first load did not finish"
+        # holding the worker's turn lock keeps the worker from doing anything meanwhile
+        consumer = c.consumer
+        assert consumer is not None
+        params = p.hold("r", [5, 9], 32)
+        if inline:
+            c.start_load("r", params, [11, 3])
+            assert c.poll().receiving == ["r"]
+        else:
+            with consumer._turn_lock:
+                c.start_load("r", params, [11, 3])
+                assert c.poll().receiving == []  # queued for the worker, which waits for the lock
+            deadline = time.monotonic() + 10
+            while "r" not in c.poll(0.05).receiving:
+                assert time.monotonic() < deadline, "the worker did not finish the load"
+        for a, b in zip(pt, ct, strict=True):
+            assert torch.equal(a[[5, 9]].view(torch.uint8), b[[11, 3]].view(torch.uint8))
+    finally:
+        c.close()
+        p.close()
