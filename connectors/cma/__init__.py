@@ -60,7 +60,7 @@ from kvxfer.dataplane import (
 from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
-from kvxfer.transfer.hold_board import HoldBoard, check_one_sided, row_unchanged
+from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class CmaDataPlane(HostRegionPlane):
                      np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
                      np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
         with self._direct_lock:
-            if addr.board[1] > 0 and (peer.strides > 0).all():
+            if addr.board[1] > WINDOW and (peer.strides > 0).all():
                 self._direct[peer_id] = peer
             else:
                 self._direct.pop(peer_id, None)
@@ -518,6 +518,8 @@ class CmaDataPlane(HostRegionPlane):
     def close(self) -> None:
         if self._closed:
             return
+        if self._board is not None:  # no one-sided read is allowed from here on
+            self._board.table[:] = 0
         self._closed = True
         self._jobs.put(None)
         self._wake()

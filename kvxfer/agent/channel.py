@@ -85,6 +85,11 @@ class Channel:
                     raise ChannelClosed(f"send failed: {e}") from None
                 frame = frame[n:]
 
+    def writable(self) -> bool:
+        """Whether a small message would go out now (the reader has left the socket room)."""
+        _, ready, _ = select.select([], [self.sock], [], 0)
+        return bool(ready)
+
     def _frame(self) -> Any | None:
         """One complete frame from the buffer, decoded, or None."""
         if len(self._buf) < _HEADER.size:

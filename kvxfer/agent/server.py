@@ -217,11 +217,17 @@ class Agent:
                 self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
                 self._refused.codes[cmd.request_id] = code
 
-    def _flush(self) -> None:
-        """Send what finished, refused loads and a change of ``broken`` as one Event (if any)."""
+    def _flush(self, wait: bool = True) -> None:
+        """Send what finished, refused loads and a change of ``broken`` as one Event (if any).
+        ``wait=False`` (the main thread): not if the event thread is sending, or the engine has
+        not read enough to leave room; the event thread sends it then."""
         conn = self.conn
         assert conn is not None
-        with self._events_lock:
+        if not self._events_lock.acquire(blocking=wait):
+            return
+        try:
+            if not wait and not self.events.writable():
+                return  # the main thread must not block on an engine that does not poll: commands wait
             self._pending.extend(conn.poll(0.0))
             with self._refused_lock:
                 if self._refused:
@@ -234,6 +240,8 @@ class Agent:
                 self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed, errors=p.errors,
                                        codes=p.codes, broken=broken, sent_at=time.monotonic(), layers=p.layers))
                 self._pending = Finished()
+        finally:
+            self._events_lock.release()
 
     def _flush_now(self) -> None:
         """The main thread, after a load: send it if it finished already (the fast path)."""
@@ -241,7 +249,7 @@ class Agent:
         if conn is None or conn.consumer is None or not conn.consumer.wait_ready(0.0):
             return
         try:
-            self._flush()
+            self._flush(wait=False)
         except ChannelClosed:
             pass  # the engine is gone; the next receive ends the loop
         except Exception as e:  # kept in _pending: the event thread sends it with its next turn

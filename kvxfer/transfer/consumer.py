@@ -239,21 +239,28 @@ class Consumer(PushReceiver):
         if not self._turn_lock.acquire(blocking=False):
             return False
         try:
-            params = load.source
-            ranks = {r.rank: r for r in params.ranks}
-            for rr in self._slices_by_rank(params):
-                peer = self._peers.get((params.engine_id, rr))
-                if rr not in ranks or peer is None or peer.meta.generation != ranks[rr].generation:
-                    return False
-            if self._broken is not None or not self._worker.is_alive():
-                return False
-            self._here.on = True
-            self._begin(load)
-            self._poll_plane()  # what the plane finished (cma: this load) is reported now
-            return True
+            return self._begin_locked(load)
+        except Exception as e:  # a bug before the load began: the worker begins it (and reports what fails)
+            report("consumer fast path", e, f"request {load.request_id} (queued for the worker)")
+            return load.began_at != 0.0
         finally:
             self._here.on = False
             self._turn_lock.release()
+
+    def _begin_locked(self, load: Load) -> bool:
+        """``_begin_here`` with the turn lock held."""
+        params = load.source
+        ranks = {r.rank: r for r in params.ranks}
+        for rr in self._slices_by_rank(params):
+            peer = self._peers.get((params.engine_id, rr))
+            if rr not in ranks or peer is None or peer.meta.generation != ranks[rr].generation:
+                return False
+        if self._broken is not None or not self._worker.is_alive():
+            return False
+        self._here.on = True
+        self._begin(load)
+        self._poll_plane()  # what the plane finished (cma: this load) is reported now
+        return True
 
     def _check_worker(self) -> None:
         """The engine's own guarantee that nothing hangs: if the worker thread has stopped

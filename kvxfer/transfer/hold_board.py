@@ -73,7 +73,7 @@ class HoldBoard:
             self.full += 1
             return False
         row = first + int(free[0])
-        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        ids = np.array(block_ids, dtype=np.int64, copy=True)  # the board's own: a caller's buffer may change
         self._rows[request_id] = (row, ids)
         r = self.table[row]
         r[0], r[2], r[3] = key, ids.ctypes.data, len(ids)
@@ -97,16 +97,13 @@ def find_row(window: np.ndarray, key: int) -> np.ndarray | None:
 
 
 def blocks_held(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
-    """Whether every block of every range ``[first[i], last[i]]`` is among ``held``."""
+    """Whether every block of every range ``[first[i], last[i]]`` is among ``held`` (any values:
+    ``held`` was read from another process and may be garbage; no allocation depends on them)."""
     if not len(first):
         return True
-    if not len(held) or held.min() < 0:
-        return False
-    top = int(max(held.max(), last.max()))
-    mask = np.zeros(top + 2, dtype=np.int64)
-    mask[held + 1] = 1
-    cs = np.cumsum(mask)
-    return bool(((cs[last + 1] - cs[first]) == (last - first + 1)).all())
+    h = np.unique(held)
+    inside = np.searchsorted(h, last, side="right") - np.searchsorted(h, first, side="left")
+    return bool((inside == last - first + 1).all())
 
 
 def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], request_id: str,
@@ -118,6 +115,8 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
     ``board`` is the producer's (address, rows). After the copy, the caller reads the row again
     (:func:`row_unchanged`): the copy stands only if it is."""
     address, rows = board
+    if rows <= WINDOW:
+        return None
     key = key_of(request_id)
     first_row = key % (rows - WINDOW)
     try:
@@ -126,14 +125,16 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
         if row is None or not 0 < row[3] <= 1 << 24:
             return None
         held = read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
-    except OSError:
+        return row if blocks_held(first, last, held) else None
+    except Exception:  # unreadable, or garbage read from a row being withdrawn: ask for a grant
         return None
-    return row if blocks_held(first, last, held) else None
 
 
 def row_unchanged(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], row: np.ndarray) -> bool:
     """After the copy: is the row that allowed it still the same (so the blocks stayed held)?"""
     address, rows = board
+    if rows <= WINDOW:
+        return False
     first_row = int(row[0]) % (rows - WINDOW)
     try:
         window = read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)

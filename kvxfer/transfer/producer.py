@@ -31,6 +31,7 @@ import numpy as np
 
 from kvxfer.dataplane import Descriptors
 from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget, Refusal
+from kvxfer.supervise import report
 from kvxfer.topology import ParallelLayout, readers_of
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,8 @@ class HoldRegistry:
             if request_id in self._holds:
                 raise ValueError(f"request {request_id} is already held")
             self._holds[request_id] = h
-            if self.on_change is not None and h.saved is None:
-                self.on_change(request_id, ids)
+            if h.saved is None:
+                self._changed(request_id, ids)
             forget_after = self._early_abandons.pop(request_id, None)
             if forget_after is not None and forget_after > now:  # its consumer gave up before the hold came
                 self._release(request_id, "abandoned", "abandoned by the consumer before the hold was made")
@@ -207,12 +208,19 @@ class HoldRegistry:
         """Caller holds the lock."""
         if self._holds.pop(request_id, None) is None:
             return False
-        if self.on_change is not None:  # before the engine can learn of it (take_released) and free the blocks
-            self.on_change(request_id, None)
+        self._changed(request_id, None)  # before the engine can learn of it (take_released) and free the blocks
         self._released.append(request_id)
         self.released_by[reason] += 1
         logger.debug("request %s: hold released (%s: %s)", request_id, reason, why)
         return True
+
+    def _changed(self, request_id: str, ids: np.ndarray | None) -> None:
+        """Caller holds the lock: tell ``on_change``; a failure there is reported, never raised."""
+        if self.on_change is not None:
+            try:
+                self.on_change(request_id, ids)
+            except Exception as e:
+                report("hold registry: on_change", e, f"request {request_id}")
 
     def release(self, request_id: str, reason: ReleaseReason = "engine", why: str = "") -> bool:
         with self._lock:
