@@ -559,6 +559,9 @@ class Consumer(PushReceiver):
             else:
                 why = (f"push not finished within {self.transfer_s:g}s of the last notice (or the reservation's "
                        f"{self.reservation_s:g}s)")
+            waiting = sorted({b.peer_id for b in load.batches if b.batch_id is not None})
+            if waiting:  # who did not answer (their connections are dropped with the load)
+                why += f"; no reply from peer {', '.join(waiting)}"
             self._fail(load, ErrorCode.TIMEOUT, why, timed_out=True)
 
     def _drop_batches(self, load: Load) -> None:
