@@ -114,14 +114,11 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
     ``read_at(address, nbytes)`` reads the producer's memory (an OSError means None here);
     ``board`` is the producer's (address, rows). After the copy, the caller reads the row again
     (:func:`row_unchanged`): the copy stands only if it is."""
-    address, rows = board
-    if rows <= WINDOW:
+    if board[1] <= WINDOW:
         return None
     key = key_of(request_id)
-    first_row = key % (rows - WINDOW)
     try:
-        window = read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
-        row = find_row(window, key)
+        row = find_row(_window(read_at, board, key), key)
         if row is None or not 0 < row[3] <= 1 << 24:
             return None
         held = read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
@@ -132,12 +129,17 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
 
 def row_unchanged(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], row: np.ndarray) -> bool:
     """After the copy: is the row that allowed it still the same (so the blocks stayed held)?"""
-    address, rows = board
-    if rows <= WINDOW:
+    if board[1] <= WINDOW:
         return False
-    first_row = int(row[0]) % (rows - WINDOW)
     try:
-        window = read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
+        window = _window(read_at, board, int(row[0]))
     except OSError:
         return False
     return bool((window == row).all(axis=1).any())
+
+
+def _window(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], key: int) -> np.ndarray:
+    """The WINDOW rows of a board that ``key`` may sit in, read from the producer."""
+    address, rows = board
+    first_row = key % (rows - WINDOW)
+    return read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
