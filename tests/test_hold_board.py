@@ -84,16 +84,17 @@ def test_a_full_window_leaves_the_hold_unpublished() -> None:
 def test_garbage_block_ids_are_refused_without_allocating_by_their_values() -> None:
     """A reader racing a release may read freed memory as block ids: the check says no (and the
     read asks for a grant), whatever the values, with no allocation sized by them."""
-    huge = np.array([2**62, -5, 2**40], dtype=np.int64)
+    huge = np.array([2**62, -5, 2**40], dtype=np.int64)  # unsorted garbage: an answer, no crash
     assert not blocks_held(np.array([3]), np.array([3]), huge)
-    assert blocks_held(np.array([2**40]), np.array([2**40]), huge)
-    assert blocks_held(np.array([4]), np.array([6]), np.array([6, 4, 5, 5]))
-    assert not blocks_held(np.array([4]), np.array([7]), np.array([6, 4, 5]))
+    blocks_held(np.array([-(2**62)]), np.array([2**62]), huge)
+    assert blocks_held(np.array([2**40]), np.array([2**40]), np.sort(huge))
+    assert blocks_held(np.array([4]), np.array([6]), np.array([4, 5, 6]))
+    assert not blocks_held(np.array([4]), np.array([7]), np.array([4, 5, 6]))
     board = HoldBoard(slots=64)
-    ids = np.array([1, 2], dtype=np.int64)
+    ids = np.array([6, 4, 5, 5], dtype=np.int64)
     board.publish("r", ids)
-    ids[:] = [7, 8]  # the caller's array changes: the board kept its own
-    assert check_one_sided(read_at, (board.address, board.rows), "r", *ranges([1, 2])) is not None
+    ids[:] = [7, 8, 9, 10]  # the caller's array changes: the board kept its own (sorted, unique)
+    assert check_one_sided(read_at, (board.address, board.rows), "r", *ranges([4, 5, 6])) is not None
     assert check_one_sided(read_at, (board.address, board.rows), "r", *ranges([7])) is None
 
 

@@ -98,6 +98,8 @@ class Agent:
             self.commands.send(Refused(kind="value" if isinstance(e, ValueError) else "runtime", message=str(e)))
             return 1
         conn = self.conn
+        if conn.consumer is not None:
+            conn.consumer.caller_takes_done = True  # _flush_now sends what a load finished at once
         self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
         notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
@@ -217,17 +219,17 @@ class Agent:
                 self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
                 self._refused.codes[cmd.request_id] = code
 
-    def _flush(self, wait: bool = True) -> None:
+    def _flush(self, wait: bool = True) -> bool:
         """Send what finished, refused loads and a change of ``broken`` as one Event (if any).
         ``wait=False`` (the main thread): not if the event thread is sending, or the engine has
-        not read enough to leave room; the event thread sends it then."""
+        not read enough to leave room; False then (the event thread must send it)."""
         conn = self.conn
         assert conn is not None
         if not self._events_lock.acquire(blocking=wait):
-            return
+            return False
         try:
             if not wait and not self.events.writable():
-                return  # the main thread must not block on an engine that does not poll: commands wait
+                return False  # the main thread must not block on an engine that does not poll: commands wait
             self._pending.extend(conn.poll(0.0))
             with self._refused_lock:
                 if self._refused:
@@ -240,20 +242,25 @@ class Agent:
                 self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed, errors=p.errors,
                                        codes=p.codes, broken=broken, sent_at=time.monotonic(), layers=p.layers))
                 self._pending = Finished()
+            return True
         finally:
             self._events_lock.release()
 
     def _flush_now(self) -> None:
-        """The main thread, after a load: send it if it finished already (the fast path)."""
+        """The main thread, after a load: send it if it finished already (the fast path, which
+        leaves the event thread asleep); if this thread cannot, it wakes the event thread."""
         conn = self.conn
         if conn is None or conn.consumer is None or not conn.consumer.wait_ready(0.0):
             return
+        sent = False
         try:
-            self._flush(wait=False)
+            sent = self._flush(wait=False)
         except ChannelClosed:
             pass  # the engine is gone; the next receive ends the loop
         except Exception as e:  # kept in _pending: the event thread sends it with its next turn
             report("agent events", e, "sending after a load")
+        if not sent:
+            conn.consumer.wake_waiters()
 
     def _send_events(self) -> None:
         conn = self.conn

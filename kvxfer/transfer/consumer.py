@@ -65,7 +65,6 @@ from kvxfer.transfer.planner import (
     SideLayout,
     concat,
     finish_staged,
-    plan_direct,
     plan_staged,
 )
 from kvxfer.transfer.push_receiver import PushReceiver
@@ -153,7 +152,11 @@ class Consumer(PushReceiver):
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()  # who holds it owns the worker's state (see the class doc)
         self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}  # the turn-lock holder's
+        self._unread: dict[ParallelLayout, frozenset[int]] = {}  # the turn-lock holder's
         self._here = threading.local()  # .on: this thread is on the fast path (it takes what finishes)
+        # True: whoever calls start_load takes what the fast path finished itself (the agent's
+        # command thread sends it at once), so no waiter is woken for it
+        self.caller_takes_done = False
         plane.set_completion_callback(self._wake)
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
@@ -199,7 +202,7 @@ class Consumer(PushReceiver):
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """What finished since the last call; with a timeout, wait (GIL released) for something."""
         self._check_worker()
-        if timeout_s > 0:
+        if timeout_s > 0 and not self._done:  # the fast path leaves what it finished unsignalled
             self._ready.wait(timeout_s)
         with self._lock:
             out, self._done = self._done, Finished()
@@ -211,7 +214,12 @@ class Consumer(PushReceiver):
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait (GIL released) until something finished for ``poll`` to take, or the timeout."""
-        return self._ready.wait(timeout_s)
+        return bool(self._done) or self._ready.wait(timeout_s)
+
+    def wake_waiters(self) -> None:
+        """Wake threads in ``wait_ready``/``poll``: the fast path's caller leaves what it finished
+        unsignalled (its own thread takes it) and calls this when it cannot."""
+        self._ready.set()
 
     @property
     def broken(self) -> str | None:
@@ -246,6 +254,8 @@ class Consumer(PushReceiver):
         finally:
             self._here.on = False
             self._turn_lock.release()
+            if not self.caller_takes_done and self._done:
+                self._ready.set()  # another thread may wait in poll for what the fast path finished
 
     def _begin_locked(self, load: Load) -> bool:
         """``_begin_here`` with the turn lock held."""
@@ -474,6 +484,17 @@ class Consumer(PushReceiver):
             self._slices[params.layout] = by_rank
         return by_rank
 
+    def _unread_ranks(self, layout: ParallelLayout) -> frozenset[int]:
+        """The producer ranks of ``layout`` that no rank of this instance reads (remembered)."""
+        unread = self._unread.get(layout)
+        if unread is None:
+            unread = frozenset(r for r in range(layout.tp_size * layout.pp_size)
+                               if readers_of(layout, r % layout.tp_size, r // layout.tp_size, self.layout) == 0)
+            if len(self._unread) >= 64:
+                self._unread.clear()
+            self._unread[layout] = unread
+        return unread
+
     def _plan_rank(self, load: Load, peer: Peer, sls: list[SourceSlice]) -> Descriptors:
         """Every read of a load from one producer rank (staging areas registered as needed)."""
         params = load.source
@@ -482,8 +503,8 @@ class Consumer(PushReceiver):
         for s in sls:
             if peer.side.layout == self.local_side.layout and not (
                     peer.side.head_factor == 2 and peer.side.block_size != self.local_side.block_size):
-                parts.append(plan_direct(peer.side, self.local_side, s, remote_blocks, load.local_blocks_full,
-                                         load.skip_tokens, params.num_tokens))
+                shape = peer.direct_plan(self.local_side, s, load.skip_tokens, params.num_tokens)
+                parts.append(shape.descriptors(remote_blocks, load.local_blocks_full))
             else:
                 rid = next(self._staging_ids)
                 d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
@@ -608,14 +629,14 @@ class Consumer(PushReceiver):
                 self._done.receiving.append(load.request_id)
                 self._done_at.append(finished)
                 self._outcome(load.request_id, True)
-                self._ready.set()
+                self._signal_done()
         for rr, peer in load.peers.items():
             self._notices.put(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
                                                                               peer.token)))
         if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
+            unread = self._unread_ranks(params.layout)
             for r in params.ranks:
-                tp, pp = r.rank % params.layout.tp_size, r.rank // params.layout.tp_size
-                if readers_of(params.layout, tp, pp, self.layout) == 0:
+                if r.rank in unread:
                     self._notices.put(Notice(r, self._done_notice(load, r.generation,
                                                                    self._token_for(params.engine_id, r))))
         if not reported:
@@ -654,8 +675,15 @@ class Consumer(PushReceiver):
             self._done.errors[load.request_id] = why
             self._done.codes[load.request_id] = code
             self._outcome(load.request_id, False)
-            self._ready.set()
+            self._signal_done()
         self.stats.load_finished(time.monotonic() - load.started, error=why, timed_out=timed_out, code=code)
+
+    def _signal_done(self) -> None:
+        """Caller holds the lock: ``_done`` gained something. Waiters are woken, but not from the
+        fast path: ``_begin_here`` wakes them when it ends, unless ``caller_takes_done`` (waking
+        the agent's event thread would cost a hand-off of the GIL for nothing)."""
+        if not getattr(self._here, "on", False):
+            self._ready.set()
 
     def _outcome(self, request_id: str, ok: bool) -> None:
         """Caller holds the lock: remember how a load ended, for ``wait_layer``."""

@@ -5,7 +5,7 @@ otherwise ask the producer for a grant before every copy: a round trip through t
 threads that cost more than copying a 2 MiB block. The producer instead publishes each pull
 hold on a board: a fixed table of rows ``(key, ticket, address, count)``, where ``key`` is a
 hash of the request id, ``ticket`` a number never used twice, and ``address``/``count`` the
-hold's block ids (an int64 array the board keeps alive while the row is published).
+hold's block ids (sorted and unique, an int64 array the board keeps alive while the row is published).
 
 A reader (see :func:`check_one_sided`) reads the row, the block ids, checks that every block
 its pieces touch is held, copies, and reads the row again: the copy stands only if the row is
@@ -73,7 +73,7 @@ class HoldBoard:
             self.full += 1
             return False
         row = first + int(free[0])
-        ids = np.array(block_ids, dtype=np.int64, copy=True)  # the board's own: a caller's buffer may change
+        ids = np.unique(np.asarray(block_ids, dtype=np.int64))  # the board's own copy, sorted (readers search it)
         self._rows[request_id] = (row, ids)
         r = self.table[row]
         r[0], r[2], r[3] = key, ids.ctypes.data, len(ids)
@@ -97,12 +97,13 @@ def find_row(window: np.ndarray, key: int) -> np.ndarray | None:
 
 
 def blocks_held(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
-    """Whether every block of every range ``[first[i], last[i]]`` is among ``held`` (any values:
-    ``held`` was read from another process and may be garbage; no allocation depends on them)."""
+    """Whether every block of every range ``[first[i], last[i]]`` is among ``held``, which the
+    producer published sorted and unique. Read from another process, it may be garbage (a row
+    being withdrawn): no allocation depends on its values, and the recheck after the copy
+    (:func:`row_unchanged`) rejects a read that garbage allowed."""
     if not len(first):
         return True
-    h = np.unique(held)
-    inside = np.searchsorted(h, last, side="right") - np.searchsorted(h, first, side="left")
+    inside = held.searchsorted(last, side="right") - held.searchsorted(first, side="left")
     return bool((inside == last - first + 1).all())
 
 

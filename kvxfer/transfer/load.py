@@ -22,7 +22,7 @@ from kvxfer.protocol import (
     RemoteRank,
 )
 from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible
-from kvxfer.transfer.planner import SideLayout, StagedPlan, check_alignment
+from kvxfer.transfer.planner import DirectPlan, SideLayout, StagedPlan, check_alignment
 
 
 class AlreadyLoading(ValueError):
@@ -38,9 +38,13 @@ class LoadFailed(RuntimeError):
         self.code = code
 
 
+MAX_PLANS = 64  # plan shapes kept per producer rank
+MAX_PLAN_PIECES = 1 << 16  # only shapes this small are kept (a load this big plans once, cheaply enough)
+
+
 @dataclass
 class Peer:
-    """A handshaken producer rank."""
+    """A handshaken producer rank, and the plan shapes of loads read from it (``direct_plan``)."""
 
     meta: HandshakeResponse
     token: bytes
@@ -48,6 +52,20 @@ class Peer:
     side: SideLayout
     host: str
     port: int
+    plans: dict[tuple[SourceSlice, int, int], DirectPlan] = field(default_factory=dict)
+
+    def direct_plan(self, local: SideLayout, sl: SourceSlice, skip_tokens: int, num_tokens: int) -> DirectPlan:
+        """The direct plan's shape for this slice and token range (kept, if small, for the next
+        load of that shape: most loads of a serving engine repeat a few)."""
+        key = (sl, skip_tokens, num_tokens)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = DirectPlan.build(self.side, local, sl, skip_tokens, num_tokens)
+            if len(plan.length) <= MAX_PLAN_PIECES:
+                if len(self.plans) >= MAX_PLANS:
+                    self.plans.clear()
+                self.plans[key] = plan
+        return plan
 
 
 @dataclass(eq=False)
@@ -182,6 +200,12 @@ class Notice:
     msg: DoneNotice | Abandon | LeaseRenew
 
 
+def repeats(ids: np.ndarray) -> bool:
+    """Whether any id occurs twice (a sort: np.unique's hashing costs more on a few ids)."""
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
+
+
 def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                      num_cached_tokens: int, block_size: int, num_blocks: int, layout: ParallelLayout) -> np.ndarray:
     """``start_load``'s checks (a ValueError names what is wrong): the local block ids the load
@@ -195,7 +219,7 @@ def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids:
                          f"{L}, got {len(ids)}")
     if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
         raise ValueError(f"request {request_id}: local block ids must be in [0, {num_blocks})")
-    if len(np.unique(ids[:need])) != need:
+    if repeats(ids[:need]):
         raise ValueError(f"request {request_id}: local block ids repeat")
     if not 0 <= num_cached_tokens <= params.num_tokens:
         raise ValueError(f"request {request_id}: num_cached_tokens must be in [0, {params.num_tokens}]")

@@ -144,6 +144,8 @@ def coalesce(rr: np.ndarray, ro: np.ndarray, lr: np.ndarray, lo: np.ndarray, ln:
 def concat(parts: list[Descriptors]) -> Descriptors:
     if not parts:
         return Descriptors.from_rows([])
+    if len(parts) == 1:
+        return parts[0]
     return Descriptors(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                          ("remote_region", "remote_offset", "local_region", "local_offset", "length")))
 
@@ -160,65 +162,92 @@ def check_alignment(skip_tokens: int, remote_bs: int, local_bs: int) -> None:
 def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_blocks: np.ndarray,
                 local_blocks: np.ndarray, skip_tokens: int, num_tokens: int) -> Descriptors:
     """Bytes straight into the local blocks; both sides use one layout."""
-    if remote.layout != local.layout:
-        raise ValueError("plan_direct needs one layout on both sides")
-    R, L = remote.block_size, local.block_size
-    f = remote.head_factor
-    if f != local.head_factor:
-        raise ValueError("plan_direct: one side is fused (K and V per head), the other is not")
-    if f == 2 and R != L:  # inside a block, vLLM's kernels order tokens their own way (tiled)
-        raise ValueError(f"fused caches move whole blocks: block sizes must match (remote {R}, local {L})")
-    nh = len(sl.remote_heads) * f
-    r_head0, l_head0 = sl.remote_heads.start * f, sl.local_heads.start * f
-    full = nh == remote.num_heads == local.num_heads
-    rowb = remote.row_bytes
-    if remote.layout == "NHD":
-        if full:  # token runs of min(R, L) tokens, every head at once
+    return DirectPlan.build(remote, local, sl, skip_tokens, num_tokens).descriptors(remote_blocks, local_blocks)
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """What a direct plan is for any block ids: the pieces of (layer, K/V) pair x unit, with
+    where each lies inside its block; ``descriptors`` adds the blocks' offsets. One depends only
+    on the two layouts, the slice and the token range, so a consumer keeps it per producer and
+    reuses it for every load of that shape (a 1-block plan then costs a few array operations)."""
+
+    remote_unit: np.ndarray  # [units] index into the remote block ids
+    local_unit: np.ndarray  # [units] index into the local block ids
+    remote_stride: np.ndarray  # [pairs, 1] bytes per remote block
+    local_stride: np.ndarray  # [pairs, 1]
+    remote_inner: np.ndarray  # [pairs, units] offset inside the remote block
+    local_inner: np.ndarray  # [pairs, units]
+    remote_region: np.ndarray  # [pairs * units]
+    local_region: np.ndarray  # [pairs * units]
+    length: np.ndarray  # [pairs * units]
+
+    @classmethod
+    def build(cls, remote: SideLayout, local: SideLayout, sl: SourceSlice, skip_tokens: int,
+              num_tokens: int) -> DirectPlan:
+        if remote.layout != local.layout:
+            raise ValueError("plan_direct needs one layout on both sides")
+        R, L = remote.block_size, local.block_size
+        f = remote.head_factor
+        if f != local.head_factor:
+            raise ValueError("plan_direct: one side is fused (K and V per head), the other is not")
+        if f == 2 and R != L:  # inside a block, vLLM's kernels order tokens their own way (tiled)
+            raise ValueError(f"fused caches move whole blocks: block sizes must match (remote {R}, local {L})")
+        nh = len(sl.remote_heads) * f
+        r_head0, l_head0 = sl.remote_heads.start * f, sl.local_heads.start * f
+        full = nh == remote.num_heads == local.num_heads
+        rowb = remote.row_bytes
+        if remote.layout == "NHD":
+            if full:  # token runs of min(R, L) tokens, every head at once
+                u = min(R, L)
+                p = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
+                n_tok = np.minimum(u, num_tokens - p)
+                r_in = (p % R) * remote.num_heads * rowb
+                l_in = (p % L) * local.num_heads * rowb
+                length = n_tok * remote.num_heads * rowb
+            else:  # one token's slice of heads
+                p = np.arange(skip_tokens, num_tokens, dtype=np.int64)
+                r_in = ((p % R) * remote.num_heads + r_head0) * rowb
+                l_in = ((p % L) * local.num_heads + l_head0) * rowb
+                length = np.full(len(p), nh * rowb, dtype=np.int64)
+        elif full and R == L:  # HND, all heads, one block size: whole blocks, one piece each
+            p = np.arange(skip_tokens, num_tokens, R, dtype=np.int64)  # skip_tokens is block-aligned
+            block_bytes = R * nh * rowb
+            length = np.full(len(p), block_bytes, dtype=np.int64)
+            r_in = np.zeros(len(p), dtype=np.int64)
+            l_in = np.zeros(len(p), dtype=np.int64)
+            tail = num_tokens - p[-1] if len(p) else R
+            if f == 1 and tail < R:  # a partial last block: each head's valid rows (a fused block moves whole)
+                h = np.arange(nh, dtype=np.int64)
+                p = np.concatenate([p[:-1], np.full(nh, p[-1], dtype=np.int64)])
+                r_in = np.concatenate([r_in[:-1], h * R * rowb])
+                l_in = np.concatenate([l_in[:-1], h * L * rowb])
+                length = np.concatenate([length[:-1], np.full(nh, tail * rowb, dtype=np.int64)])
+        else:  # HND: per head, token runs of min(R, L)
             u = min(R, L)
-            p = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
-            n_tok = np.minimum(u, num_tokens - p)
-            r_in = (p % R) * remote.num_heads * rowb
-            l_in = (p % L) * local.num_heads * rowb
-            length = n_tok * remote.num_heads * rowb
-        else:  # one token's slice of heads
-            p = np.arange(skip_tokens, num_tokens, dtype=np.int64)
-            r_in = ((p % R) * remote.num_heads + r_head0) * rowb
-            l_in = ((p % L) * local.num_heads + l_head0) * rowb
-            length = np.full(len(p), nh * rowb, dtype=np.int64)
-    elif full and R == L:  # HND, all heads, one block size: whole blocks, one piece each
-        p = np.arange(skip_tokens, num_tokens, R, dtype=np.int64)  # skip_tokens is block-aligned
-        block_bytes = R * nh * rowb
-        length = np.full(len(p), block_bytes, dtype=np.int64)
-        r_in = np.zeros(len(p), dtype=np.int64)
-        l_in = np.zeros(len(p), dtype=np.int64)
-        tail = num_tokens - p[-1] if len(p) else R
-        if f == 1 and tail < R:  # a partial last block: each head's valid rows (a fused block moves whole)
+            p1 = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
             h = np.arange(nh, dtype=np.int64)
-            p = np.concatenate([p[:-1], np.full(nh, p[-1], dtype=np.int64)])
-            r_in = np.concatenate([r_in[:-1], h * R * rowb])
-            l_in = np.concatenate([l_in[:-1], h * L * rowb])
-            length = np.concatenate([length[:-1], np.full(nh, tail * rowb, dtype=np.int64)])
-    else:  # HND: per head, token runs of min(R, L)
-        u = min(R, L)
-        p1 = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
-        h = np.arange(nh, dtype=np.int64)
-        hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
-        hh, p = hh.ravel(), p.ravel()
-        # a fused block's rows are in its engine's own order: always whole blocks
-        n_tok = np.full(len(p), u, dtype=np.int64) if f == 2 else np.minimum(u, num_tokens - p)
-        r_in = ((r_head0 + hh) * R + p % R) * rowb
-        l_in = ((l_head0 + hh) * L + p % L) * rowb
-        length = n_tok * rowb
-    rblk = remote_blocks[p // R]
-    lblk = local_blocks[p // L]
-    # every (layer, K/V) pair at once: [pairs, 1] against [1, units]
-    r_loc = remote.locations(sl.layers)  # [pairs, 3]: region, inner, stride
-    l_loc = local.locations(sl.layers)
-    n = len(r_loc), len(p)
-    ro = rblk[None, :] * r_loc[:, 2:3] + r_loc[:, 1:2] + r_in[None, :]
-    lo = lblk[None, :] * l_loc[:, 2:3] + l_loc[:, 1:2] + l_in[None, :]
-    return coalesce(np.broadcast_to(r_loc[:, :1], n).ravel(), ro.ravel(), np.broadcast_to(l_loc[:, :1], n).ravel(),
-                    lo.ravel(), np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel())
+            hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
+            hh, p = hh.ravel(), p.ravel()
+            # a fused block's rows are in its engine's own order: always whole blocks
+            n_tok = np.full(len(p), u, dtype=np.int64) if f == 2 else np.minimum(u, num_tokens - p)
+            r_in = ((r_head0 + hh) * R + p % R) * rowb
+            l_in = ((l_head0 + hh) * L + p % L) * rowb
+            length = n_tok * rowb
+        # every (layer, K/V) pair at once: [pairs, 1] against [1, units]
+        r_loc = remote.locations(sl.layers)  # [pairs, 3]: region, inner, stride
+        l_loc = local.locations(sl.layers)
+        n = len(r_loc), len(p)
+        return cls(p // R, p // L, r_loc[:, 2:3], l_loc[:, 2:3], r_loc[:, 1:2] + r_in[None, :],
+                   l_loc[:, 1:2] + l_in[None, :], np.broadcast_to(r_loc[:, :1], n).ravel(),
+                   np.broadcast_to(l_loc[:, :1], n).ravel(),
+                   np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel())
+
+    def descriptors(self, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> Descriptors:
+        """The plan for these block ids (int64; as many as the token range covers), coalesced."""
+        ro = remote_blocks[self.remote_unit][None, :] * self.remote_stride + self.remote_inner
+        lo = local_blocks[self.local_unit][None, :] * self.local_stride + self.local_inner
+        return coalesce(self.remote_region, ro.ravel(), self.local_region, lo.ravel(), self.length)
 
 
 @dataclass

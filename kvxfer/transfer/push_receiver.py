@@ -25,7 +25,18 @@ from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams, LayersReady, Refusal, RemoteRank
 from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible
 from kvxfer.transfer.aggregator import Finished
-from kvxfer.transfer.load import AlreadyLoading, Batch, Job, Load, LoadFailed, Peer, PushNotice, PushState, RankPush
+from kvxfer.transfer.load import (
+    AlreadyLoading,
+    Batch,
+    Job,
+    Load,
+    LoadFailed,
+    Peer,
+    PushNotice,
+    PushState,
+    RankPush,
+    repeats,
+)
 from kvxfer.transfer.planner import SideLayout, check_alignment
 
 
@@ -79,7 +90,7 @@ class PushReceiver:
                              f"got {len(ids)}")
         if ids[:need].min() < 0 or ids[:need].max() >= self.cache.num_blocks:
             raise ValueError(f"request {request_id}: local block ids must be in [0, {self.cache.num_blocks})")
-        if len(np.unique(ids[:need])) != need:
+        if repeats(ids[:need]):
             raise ValueError(f"request {request_id}: local block ids repeat")
         if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % L:
             raise ValueError(f"request {request_id}: num_cached_tokens must be a multiple of {L} in "
