@@ -184,7 +184,7 @@ CONSUMERS: dict[str, type[NixlConsumer | MooncakeConsumer]] = {"nixl": NixlConsu
 def producer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, str], conn: Any) -> None:
     """The peer's producer process: the cache, registered; its info; then serve ("spin", on)
     (a Python thread spinning here, as a busy engine thread would) until None."""
-    from kvxfer.bench.transfer import Spinner
+    from kvxfer.bench.transfer_cases import Spinner
 
     use_peer_env(name, ucx_env)
     cache = make_cache()
@@ -221,7 +221,7 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
     (``reqs``: one such tuple per request, all in flight at once); ``src`` and ``dst`` (every
     block, to check on arrival), ``budget``, and ``spin`` (a Python thread spinning in this
     process meanwhile). Answers ("ok", {"times": [...], "lats": [...]}) or ("error", why)."""
-    from kvxfer.bench.transfer import Spinner, check_arrived, clear, timed
+    from kvxfer.bench.transfer_cases import Spinner, check_arrived, clear, timed
 
     use_peer_env(name, ucx_env)
     cache = make_cache()

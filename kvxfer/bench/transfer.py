@@ -42,309 +42,50 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import multiprocessing as mp
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvxfer.bench import peers as peer_mod
-from kvxfer.cache import KVCache, allocate_kv_cache, spec_from_config
-from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, Role, SideChannelConfig
+from kvxfer.bench.transfer_cases import (
+    BLOCK,
+    TOKENS,
+    Conn,
+    Spinner,
+    UcxRaw,
+    bench_cache,
+    check_arrived,
+    clear,
+    make_cfg,
+    piece_views,
+    producer,
+    region_views,
+    stage_breakdown,
+    stat,
+    timed,
+    ucx_runtime_plane,
+)
+
+# tests import STAGES from here (and bench_cache, check_arrived, make_cfg, stage_breakdown, used above)
+from kvxfer.bench.transfer_cases import STAGES as STAGES
+from kvxfer.bench.transfer_report import HEADER, format_row, print_tables, write_json, write_plots
+from kvxfer.cache import spec_from_config
 from kvxfer.connector import Connector, Descriptors, available_data_planes, load_data_plane
 from kvxfer.progress import Progress
 from kvxfer.protocol import KVTransferParams
 from kvxfer.topology import ParallelLayout, remote_sources
-from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.planner import SideLayout, plan_direct
-
-TOKENS = [16, 64, 256, 1024, 4096, 8192]
-BLOCK = 16
-RAW_TAG = 0x7A11_0000_0000_0001
-INFLIGHT = 64
-
-
-class Conn(Protocol):
-    """What the bench calls on a connector (what ``Connector.from_config`` returns): the engine's API."""
-
-    def register_kv_caches(self, cache: KVCache) -> None: ...
-    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVTransferParams: ...
-    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: list[int]) -> None: ...
-    def poll(self, timeout_s: float = 0.0) -> Finished: ...
-    def stats(self) -> dict[str, float]: ...
-    def close(self) -> None: ...
-
-
-def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None = None) -> InstanceConfig:
-    """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default)."""
-    extra: dict[str, Any] = {} if data_path is None else {"data_path": data_path}
-    return InstanceConfig(
-        role=role, engine_id=f"bench-{role}-{connector}",
-        model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                          head_size=128, intermediate_size=14336, vocab_size=128256),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
-        connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0), **extra),
-    )
-
-
-class Spinner:
-    """A Python thread spinning in pure Python while on: an engine thread busy with Python work
-    (it takes the GIL from every other thread of its process for a switch interval at a time)."""
-
-    def __init__(self) -> None:
-        self.stop = True
-        self.thread: threading.Thread | None = None
-
-    def _spin(self) -> None:
-        x = 0
-        while not self.stop:
-            x += 1
-
-    def set(self, on: bool) -> None:
-        if on and self.thread is None:
-            self.stop = False
-            self.thread = threading.Thread(target=self._spin, name="kvxfer-bench-spin", daemon=True)
-            self.thread.start()
-        elif not on and self.thread is not None:
-            self.stop = True
-            self.thread.join()
-            self.thread = None
-
-
-def fill_pattern(cache: KVCache) -> None:
-    """Block b of region r holds int32 words (r << 16 | b): cheap to check on arrival."""
-    for r, t in enumerate(cache.tensors):
-        words = t.view(t.shape[0], -1).view(torch.int32)
-        words.copy_((torch.arange(t.shape[0], dtype=torch.int32)[:, None] + (r << 16)).expand_as(words))
-
-
-def check_arrived(cache: KVCache, src: np.ndarray, dst: np.ndarray, who: str) -> None:
-    for r, t in enumerate(cache.tensors):
-        words = t.view(t.shape[0], -1).view(torch.int32)[torch.as_tensor(dst)]
-        want = torch.as_tensor(src, dtype=torch.int32)[:, None] + (r << 16)
-        if not torch.equal(words, want.expand_as(words)):
-            raise RuntimeError(f"{who}: region {r}: the bytes that arrived are not the bytes that left")
-
-
-def clear(cache: KVCache, dst: np.ndarray) -> None:
-    ids = torch.as_tensor(dst)
-    for t in cache.tensors:
-        t[ids] = 0
-
-
-def _views(cache: KVCache) -> dict[int, memoryview]:
-    return {r.region_id: t.view(-1).view(torch.uint8).numpy().data
-            for r, t in zip(cache.regions, cache.tensors, strict=True)}
-
-
-def _pieces(views: dict[int, memoryview], regions: np.ndarray, offsets: np.ndarray,
-            lengths: np.ndarray) -> list[memoryview]:
-    return [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
-
-
-class UcxRaw:
-    """Raw ucxx between the two processes, on the ucx plane's own worker and loop thread: tag
-    messages over an endpoint, progressed the way the plane progresses its own (continuously
-    while a transfer is in flight; an idle worker must not spin a core through the others'
-    measurements)."""
-
-    def __init__(self, plane: Any, peer_worker: bytes, max_bytes: int = 0) -> None:
-        self.rt = plane.rt
-        ucxx = self.rt.ucxx
-        self.tag = ucxx.types.Tag(RAW_TAG)
-        self.big = np.ones(max_bytes, dtype=np.uint8)
-
-        async def connect() -> Any:
-            return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(peer_worker),
-                                                                 endpoint_error_handling=False)
-
-        self.ep = self.rt.submit(connect()).result(30)
-
-    def _run(self, coro_fn: Callable[[], Any]) -> Any:
-        async def go() -> None:
-            async with self.rt.active():
-                await coro_fn()
-
-        return self.rt.submit(go())
-
-    def send_one(self, nbytes: int) -> None:
-        self._run(lambda: self.ep.send(self.big[:nbytes], tag=self.tag, force_tag=True)).result(120)
-
-    def send_pieces(self, views: list[memoryview]) -> None:
-        import asyncio
-
-        async def go() -> None:
-            for i in range(0, len(views), INFLIGHT):
-                await asyncio.gather(*(self.ep.send(np.frombuffer(v, np.uint8), tag=self.tag, force_tag=True)
-                                       for v in views[i : i + INFLIGHT]))
-
-        self._run(go).result(300)
-
-    def recv_one(self, buf: np.ndarray) -> Any:
-        return self._run(lambda: self.ep.recv(buf, tag=self.tag, force_tag=True))
-
-    def recv_pieces(self, views: list[np.ndarray]) -> Any:
-        import asyncio
-
-        async def go() -> None:
-            for i in range(0, len(views), INFLIGHT):
-                await asyncio.gather(*(self.ep.recv(v, tag=self.tag, force_tag=True) for v in views[i : i + INFLIGHT]))
-
-        return self._run(go)
-
-
-def ucx_runtime_plane(conn: Conn) -> tuple[Any, bool]:
-    """A ucx plane of this process for the raw ucxx baseline (its ucxx runtime is outside the
-    DataPlane API): the connector's own when its data path runs here, else a bare one made
-    with the same defaults (the connector's runs in its transfer agent); True: bare, close it."""
-    plane = getattr(conn, "plane", None)
-    if getattr(plane, "rt", None) is not None:
-        return plane, False
-    return load_data_plane("ucx")({}), True
-
-
-# ------------------------------------------------------------------ producer process
-
-def bench_cache(num_blocks: int, fill: bool) -> KVCache:
-    cache = allocate_kv_cache(spec_from_config(make_cfg("prefill", "tcp", num_blocks)), num_blocks)
-    if fill:
-        fill_pattern(cache)
-    return cache
-
-
-def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None = None) -> None:
-    cache = bench_cache(num_blocks, fill=True)
-    conns: dict[str, Conn] = {}
-    for name in names:
-        conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks, data_path))
-        conns[name].register_kv_caches(cache)
-    views = _views(cache)
-    path = os.path.join(tempfile.gettempdir(), f"kvxfer-bench-{os.getpid()}.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(1)
-    conn.send(path)
-    raw: socket.socket | None = None
-    ucx_raw: UcxRaw | None = None
-    n = 0
-    spinner = Spinner()
-    bare_planes: list[Any] = []
-    from kvxfer.connectors.tcp import send_pieces
-
-    try:
-        while True:
-            cmd = conn.recv()
-            op = cmd[0]
-            if op == "hold":
-                n += 1
-                conn.send(conns[cmd[1]].hold(f"r{n}", cmd[2], cmd[3]).to_bytes())
-            elif op == "holds":  # one hold per block id list, all at once
-                out = []
-                for ids in cmd[2]:
-                    n += 1
-                    out.append(conns[cmd[1]].hold(f"r{n}", ids, cmd[3]).to_bytes())
-                conn.send(out)
-            elif op == "spin":  # the producer's engine thread busy in Python (a thread standing in for it)
-                spinner.set(cmd[1])
-                conn.send("ok")
-            elif op == "poll":
-                for c in conns.values():
-                    c.poll()
-                conn.send("ok")
-            elif op == "raw":  # the pieces, then one "go" byte per trial over the raw socket
-                pieces = _pieces(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:]))
-                if raw is None:
-                    raw, _ = srv.accept()
-                conn.send("ready")
-                while raw.recv(1) == b"g":
-                    send_pieces(raw, pieces)
-            elif op == "ucx_connect":
-                ucx_plane, bare = ucx_runtime_plane(conns["ucx"])
-                if bare:
-                    bare_planes.append(ucx_plane)
-                ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])
-                conn.send(ucx_plane.rt.address)
-            elif op == "ucx_one":
-                assert ucx_raw is not None
-                ucx_raw.send_one(cmd[1])
-                conn.send("ok")
-            elif op == "ucx_pieces":
-                assert ucx_raw is not None
-                ucx_raw.send_pieces(_pieces(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:])))
-                conn.send("ok")
-            elif op == "stop":
-                break
-    finally:
-        spinner.set(False)
-        for c in conns.values():
-            c.close()
-        for p in bare_planes:
-            p.close()
-        srv.close()
-        os.unlink(path)
-
-
-# ------------------------------------------------------------------ this process
-
-def timed(fn: Callable[[], object], budget_s: float, min_trials: int = 3,
-          max_trials: int = 200, on_warm: Callable[[], object] | None = None) -> list[float]:
-    """Run ``fn`` once to warm up (then ``on_warm``), then until the budget is spent (at least
-    ``min_trials``). A trial lasts as long as ``fn`` ran, or, when it returns a float, that many
-    seconds (the part it times itself)."""
-    fn()
-    if on_warm is not None:
-        on_warm()
-    times: list[float] = []
-    start = time.monotonic()
-    while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start < budget_s):
-        t0 = time.perf_counter()
-        took = fn()
-        times.append(took if isinstance(took, float) else time.perf_counter() - t0)
-    return times
-
-
-def stat(times: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(times)
-    return {"gbps": nbytes / med / 1e9, "p50_us": med * 1e6, "p99_us": float(np.percentile(times, 99)) * 1e6,
-            "trials": len(times)}
-
-
-STAGES = ("queue", "plan", "request", "bytes", "transfer", "complete", "handoff")
-
-
-def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
-    """Mean seconds per load (as ``<stage>_us``) of each stage ``Connector.stats()`` sums
-    (``stage_<stage>_s``), between two snapshots; None when no load finished in between (or the
-    connector counts no stages)."""
-    n = after.get("stage_loads", 0.0) - before.get("stage_loads", 0.0)
-    if n <= 0:
-        return None
-    out: dict[str, float] = {"loads": n}
-    for k in STAGES:
-        key = f"stage_{k}_s"
-        if key not in after:
-            continue
-        over = after.get("stage_handoffs", 0.0) - before.get("stage_handoffs", 0.0) if k == "handoff" else n
-        if over > 0:
-            out[f"{k}_us"] = (after[key] - before.get(key, 0.0)) / over * 1e6
-    return out
-
-
-def format_stages(st: dict[str, float] | None) -> str:
-    return "/".join(f"{st[f'{k}_us']:.0f}" for k in STAGES if f"{k}_us" in st) if st else ""
 
 
 def _unusable(name: str, data_path: str | None) -> str | None:
@@ -406,7 +147,7 @@ class Bench:
                 self.conns[name].register_kv_caches(self.cache)
             self.raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.raw.connect(raw_path)
-            self.views = _views(self.cache)
+            self.views = region_views(self.cache)
             self.memcpy_src = torch.empty(self.max_blocks * self.cache.spec.bytes_per_block, dtype=torch.uint8)
             self.memcpy_src.fill_(1)
             self.memcpy_dst = torch.empty_like(self.memcpy_src)
@@ -729,7 +470,7 @@ class Bench:
 
         self.pipe.send(("raw", d.remote_region.tobytes(), d.remote_offset.tobytes(), d.length.tobytes()))
         assert self._recv() == "ready"
-        local = _pieces(self.views, d.local_region, d.local_offset, d.length)
+        local = piece_views(self.views, d.local_region, d.local_offset, d.length)
 
         def one() -> None:
             self.raw.sendall(b"g")
@@ -752,7 +493,7 @@ class Bench:
             fut.result(120)
             self._recv()
 
-        views = [np.frombuffer(v, np.uint8) for v in _pieces(self.views, d.local_region, d.local_offset, d.length)]
+        views = [np.frombuffer(v, np.uint8) for v in piece_views(self.views, d.local_region, d.local_offset, d.length)]
         packed = (d.remote_region.tobytes(), d.remote_offset.tobytes(), d.length.tobytes())
 
         def pieces() -> None:
@@ -769,114 +510,6 @@ class Bench:
             if r["pattern"] == pat and r["tokens"] == tokens:
                 print(format_row(r), flush=True)
 
-
-HEADER = (f"{'connector':<24} {'pattern':<10} {'tokens':>6} {'MiB':>7} {'pieces':>6} {'GB/s':>6} {'p50 us':>9} "
-          f"{'p99 us':>9}  {'baseline':<22} {'base GB/s':>9} {'ratio':>6} {'x memcpy':>8}  "
-          f"stages us: queue/plan/transfer/complete/handoff")
-
-
-def format_row(r: dict[str, Any]) -> str:
-    name = r["connector"] if r["kind"] != "baseline" else f"  ({r['connector']})"
-    base = (f"{r['baseline']:<22} {r['baseline_gbps']:9.2f} {r['ratio']:6.2f}" if r["baseline"]
-            else f"{'':<22} {'':>9} {'':>6}")
-    return (f"{name:<24} {r['pattern']:<10} {r['tokens']:>6} {r['bytes'] / 2**20:7.1f} {r['descriptors']:>6} "
-            f"{r['gbps']:6.2f} {r['p50_us']:9.0f} {r['p99_us']:9.0f}  {base} {r['x_memcpy']:8.2f}  "
-            f"{format_stages(r.get('stages'))}").rstrip()
-
-
-CONCURRENCY_HEADER = (f"{'connector':<24} {'requests':>8} {'blocks':>6} {'MiB':>7} {'poll':<4} {'GB/s':>6} "
-                      f"{'1 req GB/s':>10} {'ratio':>6} {'lat p50 us':>10} {'lat p99 us':>10}  "
-                      f"stages us (concurrent): queue/plan/transfer/complete/handoff")
-
-
-def format_concurrency(r: dict[str, Any]) -> str:
-    return (f"{r['connector']:<24} {r['requests']:>8} {r['blocks_per_request']:>6} {r['bytes'] / 2**20:7.1f} "
-            f"{r['poll']:<4} {r['gbps']:6.2f} {r['single_gbps']:10.2f} {r['ratio']:6.2f} {r['latency_p50_us']:10.0f} "
-            f"{r['latency_p99_us']:10.0f}  {format_stages(r['stages'])}").rstrip()
-
-
-BUSY_HEADER = (f"{'connector':<24} {'pattern':<10} {'tokens':>6} {'poll':<4} {'busy':<8} {'idle GB/s':>9} "
-               f"{'busy GB/s':>9} {'GB/s ratio':>10} {'idle p50':>9} {'busy p50':>9} {'p50 ratio':>9}  "
-               f"stages us (busy): queue/plan/transfer/complete/handoff")
-
-
-def format_busy(r: dict[str, Any]) -> str:
-    return (f"{r['connector']:<24} {r['pattern']:<10} {r['tokens']:>6} {r['poll']:<4} {r['busy']:<8} "
-            f"{r['idle_gbps']:9.2f} {r['busy_gbps']:9.2f} {r['gbps_ratio']:10.2f} {r['idle_p50_us']:9.0f} "
-            f"{r['busy_p50_us']:9.0f} {r['p50_ratio']:9.2f}  {format_stages(r['busy_stages'])}").rstrip()
-
-
-def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    patterns = sorted({r["pattern"] for r in records}, key=["contiguous", "random"].index)
-    fig, axes = plt.subplots(1, len(patterns), figsize=(6.5 * len(patterns), 4.8), sharey=True, squeeze=False)
-    names = list(dict.fromkeys(r["connector"] for r in records))
-    for ax, pat in zip(axes[0], patterns, strict=True):
-        for i, name in enumerate(names):
-            rows = sorted((r for r in records if r["connector"] == name and r["pattern"] == pat),
-                          key=lambda r: r["bytes"])
-            if not rows:
-                continue
-            baseline = rows[0]["kind"] == "baseline"
-            ax.plot([r["bytes"] / 2**20 for r in rows], [r["gbps"] for r in rows],
-                    linestyle="--" if baseline else "-", marker="o" if not baseline else ".",
-                    linewidth=1.2 if baseline else 2.2, color=f"C{i}",
-                    label=f"{name} (baseline)" if baseline else name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")  # memcpy of a cache-resident 2 MiB is 10x the rest: a linear axis hides them
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set_title(f"{pat} block ids")
-        ax.set_xlabel("request size (MiB of KV; 2 MiB = one 16-token block)")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("throughput (GB/s, median; log scale)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(4, len(labels)), frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(labels) - 1) // 4), 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_busy(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Bars: busy/idle GB/s ratio of each connector, per case and poll style, one panel per busy side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sides = ["consumer", "producer", "cpu"]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), sharey=True, squeeze=False)
-    names = list(dict.fromkeys(r["connector"] for r in records))
-    cases = list(dict.fromkeys((r["pattern"], r["tokens"], r["poll"]) for r in records))
-    width = 0.8 / max(1, len(names))
-    for ax, side in zip(axes[0], sides, strict=True):
-        for i, name in enumerate(names):
-            by_case = {(r["pattern"], r["tokens"], r["poll"]): r["gbps_ratio"] for r in records
-                       if r["connector"] == name and r["busy"] == side}
-            xs = [j + (i - (len(names) - 1) / 2) * width for j, c in enumerate(cases) if c in by_case]
-            ax.bar(xs, [by_case[c] for c in cases if c in by_case], width, color=f"C{i}", label=name)
-        ax.axhline(1.0, color="k", linewidth=0.8)
-        ax.set_yscale("log")  # a spinning thread costs 100x in places and gains a little in others
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{p[:4]} {t}\n{poll} poll" for p, t, poll in cases], fontsize=7)
-        ax.set_title(f"a Python thread spinning in the {side} process" if side != "cpu" else
-                     "a process of its own spinning (a core lost, no GIL)")
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("GB/s busy / GB/s idle")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(6, len(labels)), frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -902,6 +535,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="PNG: GB/s against request size (with --busy-engine also PATH-busy.png)")
 
 
+
 def run(args: argparse.Namespace) -> int:
     for t in args.tokens:
         if t < 1 or t % BLOCK:
@@ -919,33 +553,14 @@ def run(args: argparse.Namespace) -> int:
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
-    for name, why in bench.skipped.items():
-        print(f"{name:<24} {why}")
-    if bench.busy_records:
-        print(f"\nbusy engine: a Python thread spinning in the consumer or producer process, against idle "
-              f"(peers poll their own way)\n{BUSY_HEADER}\n{'-' * len(BUSY_HEADER)}")
-        for r in bench.busy_records:
-            print(format_busy(r))
-    if bench.concurrency_records:
-        print(f"\nconcurrency: {args.concurrency} requests of {args.blocks} random blocks in flight at once, against "
-              f"one request of all of them\n{CONCURRENCY_HEADER}\n{'-' * len(CONCURRENCY_HEADER)}")
-        for r in bench.concurrency_records:
-            print(format_concurrency(r))
+    print_tables(bench.skipped, bench.busy_records, bench.concurrency_records, args.concurrency, args.blocks)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine, "skipped": bench.skipped, "records": records,
-                                         "poll": bench.poll, "data_path": args.data_path,
-                                         "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records},
-                                        indent=2))
-        print(f"wrote {args.json}")
+        write_json(args.json, {"machine": machine, "skipped": bench.skipped, "records": records,
+                               "poll": bench.poll, "data_path": args.data_path,
+                               "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records})
     if args.plot:
-        title = f"kvxfer bench transfer, two processes on one host ({machine})"
-        plot(records, args.plot, title)
-        print(f"wrote {args.plot}")
-        if bench.busy_records:
-            busy_png = args.plot.with_name(f"{args.plot.stem}-busy{args.plot.suffix}")
-            plot_busy(bench.busy_records, busy_png, title)
-            print(f"wrote {busy_png}")
+        write_plots(args.plot, f"kvxfer bench transfer, two processes on one host ({machine})", records,
+                    bench.busy_records)
     return 0
 
 

@@ -1,0 +1,296 @@
+"""The parts of ``kvxfer bench transfer`` that are not its consumer's driver: the bench cache
+and the pattern its bytes are checked by, the raw ucxx baseline's transport, the producer
+process, and how trials are timed and summed up. The peers' process pairs (``peers``) use the
+same cache, checks and timing, so a peer's numbers compare with kvxfer's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvxfer.cache import KVCache, allocate_kv_cache, spec_from_config
+from kvxfer.config import CacheConfig, ConnectorConfig, InstanceConfig, ModelConfig, Role, SideChannelConfig
+from kvxfer.connector import Connector, load_data_plane
+from kvxfer.protocol import KVTransferParams
+from kvxfer.transfer.aggregator import Finished
+
+TOKENS = [16, 64, 256, 1024, 4096, 8192]
+BLOCK = 16
+RAW_TAG = 0x7A11_0000_0000_0001
+INFLIGHT = 64
+
+
+class Conn(Protocol):
+    """What the bench calls on a connector (what ``Connector.from_config`` returns): the engine's API."""
+
+    def register_kv_caches(self, cache: KVCache) -> None: ...
+    def hold(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVTransferParams: ...
+    def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: list[int]) -> None: ...
+    def poll(self, timeout_s: float = 0.0) -> Finished: ...
+    def stats(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
+
+
+def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None = None) -> InstanceConfig:
+    """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default)."""
+    extra: dict[str, Any] = {} if data_path is None else {"data_path": data_path}
+    return InstanceConfig(
+        role=role, engine_id=f"bench-{role}-{connector}",
+        model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                          head_size=128, intermediate_size=14336, vocab_size=128256),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
+        connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0), **extra),
+    )
+
+
+class Spinner:
+    """A Python thread spinning in pure Python while on: an engine thread busy with Python work
+    (it takes the GIL from every other thread of its process for a switch interval at a time)."""
+
+    def __init__(self) -> None:
+        self.stop = True
+        self.thread: threading.Thread | None = None
+
+    def _spin(self) -> None:
+        x = 0
+        while not self.stop:
+            x += 1
+
+    def set(self, on: bool) -> None:
+        if on and self.thread is None:
+            self.stop = False
+            self.thread = threading.Thread(target=self._spin, name="kvxfer-bench-spin", daemon=True)
+            self.thread.start()
+        elif not on and self.thread is not None:
+            self.stop = True
+            self.thread.join()
+            self.thread = None
+
+
+def fill_pattern(cache: KVCache) -> None:
+    """Block b of region r holds int32 words (r << 16 | b): cheap to check on arrival."""
+    for r, t in enumerate(cache.tensors):
+        words = t.view(t.shape[0], -1).view(torch.int32)
+        words.copy_((torch.arange(t.shape[0], dtype=torch.int32)[:, None] + (r << 16)).expand_as(words))
+
+
+def check_arrived(cache: KVCache, src: np.ndarray, dst: np.ndarray, who: str) -> None:
+    for r, t in enumerate(cache.tensors):
+        words = t.view(t.shape[0], -1).view(torch.int32)[torch.as_tensor(dst)]
+        want = torch.as_tensor(src, dtype=torch.int32)[:, None] + (r << 16)
+        if not torch.equal(words, want.expand_as(words)):
+            raise RuntimeError(f"{who}: region {r}: the bytes that arrived are not the bytes that left")
+
+
+def clear(cache: KVCache, dst: np.ndarray) -> None:
+    ids = torch.as_tensor(dst)
+    for t in cache.tensors:
+        t[ids] = 0
+
+
+def region_views(cache: KVCache) -> dict[int, memoryview]:
+    return {r.region_id: t.view(-1).view(torch.uint8).numpy().data
+            for r, t in zip(cache.regions, cache.tensors, strict=True)}
+
+
+def piece_views(views: dict[int, memoryview], regions: np.ndarray, offsets: np.ndarray,
+            lengths: np.ndarray) -> list[memoryview]:
+    return [views[r][o : o + n] for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
+
+
+class UcxRaw:
+    """Raw ucxx between the two processes, on the ucx plane's own worker and loop thread: tag
+    messages over an endpoint, progressed the way the plane progresses its own (continuously
+    while a transfer is in flight; an idle worker must not spin a core through the others'
+    measurements)."""
+
+    def __init__(self, plane: Any, peer_worker: bytes, max_bytes: int = 0) -> None:
+        self.rt = plane.rt
+        ucxx = self.rt.ucxx
+        self.tag = ucxx.types.Tag(RAW_TAG)
+        self.big = np.ones(max_bytes, dtype=np.uint8)
+
+        async def connect() -> Any:
+            return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(peer_worker),
+                                                                 endpoint_error_handling=False)
+
+        self.ep = self.rt.submit(connect()).result(30)
+
+    def _run(self, coro_fn: Callable[[], Any]) -> Any:
+        async def go() -> None:
+            async with self.rt.active():
+                await coro_fn()
+
+        return self.rt.submit(go())
+
+    def send_one(self, nbytes: int) -> None:
+        self._run(lambda: self.ep.send(self.big[:nbytes], tag=self.tag, force_tag=True)).result(120)
+
+    def send_pieces(self, views: list[memoryview]) -> None:
+        import asyncio
+
+        async def go() -> None:
+            for i in range(0, len(views), INFLIGHT):
+                await asyncio.gather(*(self.ep.send(np.frombuffer(v, np.uint8), tag=self.tag, force_tag=True)
+                                       for v in views[i : i + INFLIGHT]))
+
+        self._run(go).result(300)
+
+    def recv_one(self, buf: np.ndarray) -> Any:
+        return self._run(lambda: self.ep.recv(buf, tag=self.tag, force_tag=True))
+
+    def recv_pieces(self, views: list[np.ndarray]) -> Any:
+        import asyncio
+
+        async def go() -> None:
+            for i in range(0, len(views), INFLIGHT):
+                await asyncio.gather(*(self.ep.recv(v, tag=self.tag, force_tag=True) for v in views[i : i + INFLIGHT]))
+
+        return self._run(go)
+
+
+def ucx_runtime_plane(conn: Conn) -> tuple[Any, bool]:
+    """A ucx plane of this process for the raw ucxx baseline (its ucxx runtime is outside the
+    DataPlane API): the connector's own when its data path runs here, else a bare one made
+    with the same defaults (the connector's runs in its transfer agent); True: bare, close it."""
+    plane = getattr(conn, "plane", None)
+    if getattr(plane, "rt", None) is not None:
+        return plane, False
+    return load_data_plane("ucx")({}), True
+
+
+# ------------------------------------------------------------------ producer process
+
+def bench_cache(num_blocks: int, fill: bool) -> KVCache:
+    cache = allocate_kv_cache(spec_from_config(make_cfg("prefill", "tcp", num_blocks)), num_blocks)
+    if fill:
+        fill_pattern(cache)
+    return cache
+
+
+def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None = None) -> None:
+    cache = bench_cache(num_blocks, fill=True)
+    conns: dict[str, Conn] = {}
+    for name in names:
+        conns[name] = Connector.from_config(make_cfg("prefill", name, num_blocks, data_path))
+        conns[name].register_kv_caches(cache)
+    views = region_views(cache)
+    path = os.path.join(tempfile.gettempdir(), f"kvxfer-bench-{os.getpid()}.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    conn.send(path)
+    raw: socket.socket | None = None
+    ucx_raw: UcxRaw | None = None
+    n = 0
+    spinner = Spinner()
+    bare_planes: list[Any] = []
+    from kvxfer.connectors.tcp import send_pieces
+
+    try:
+        while True:
+            cmd = conn.recv()
+            op = cmd[0]
+            if op == "hold":
+                n += 1
+                conn.send(conns[cmd[1]].hold(f"r{n}", cmd[2], cmd[3]).to_bytes())
+            elif op == "holds":  # one hold per block id list, all at once
+                out = []
+                for ids in cmd[2]:
+                    n += 1
+                    out.append(conns[cmd[1]].hold(f"r{n}", ids, cmd[3]).to_bytes())
+                conn.send(out)
+            elif op == "spin":  # the producer's engine thread busy in Python (a thread standing in for it)
+                spinner.set(cmd[1])
+                conn.send("ok")
+            elif op == "poll":
+                for c in conns.values():
+                    c.poll()
+                conn.send("ok")
+            elif op == "raw":  # the pieces, then one "go" byte per trial over the raw socket
+                pieces = piece_views(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:]))
+                if raw is None:
+                    raw, _ = srv.accept()
+                conn.send("ready")
+                while raw.recv(1) == b"g":
+                    send_pieces(raw, pieces)
+            elif op == "ucx_connect":
+                ucx_plane, bare = ucx_runtime_plane(conns["ucx"])
+                if bare:
+                    bare_planes.append(ucx_plane)
+                ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])
+                conn.send(ucx_plane.rt.address)
+            elif op == "ucx_one":
+                assert ucx_raw is not None
+                ucx_raw.send_one(cmd[1])
+                conn.send("ok")
+            elif op == "ucx_pieces":
+                assert ucx_raw is not None
+                ucx_raw.send_pieces(piece_views(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:])))
+                conn.send("ok")
+            elif op == "stop":
+                break
+    finally:
+        spinner.set(False)
+        for c in conns.values():
+            c.close()
+        for p in bare_planes:
+            p.close()
+        srv.close()
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------ timing
+
+def timed(fn: Callable[[], object], budget_s: float, min_trials: int = 3,
+          max_trials: int = 200, on_warm: Callable[[], object] | None = None) -> list[float]:
+    """Run ``fn`` once to warm up (then ``on_warm``), then until the budget is spent (at least
+    ``min_trials``). A trial lasts as long as ``fn`` ran, or, when it returns a float, that many
+    seconds (the part it times itself)."""
+    fn()
+    if on_warm is not None:
+        on_warm()
+    times: list[float] = []
+    start = time.monotonic()
+    while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start < budget_s):
+        t0 = time.perf_counter()
+        took = fn()
+        times.append(took if isinstance(took, float) else time.perf_counter() - t0)
+    return times
+
+
+def stat(times: list[float], nbytes: int) -> dict[str, float]:
+    med = statistics.median(times)
+    return {"gbps": nbytes / med / 1e9, "p50_us": med * 1e6, "p99_us": float(np.percentile(times, 99)) * 1e6,
+            "trials": len(times)}
+
+
+STAGES = ("queue", "plan", "request", "bytes", "transfer", "complete", "handoff")
+
+
+def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Mean seconds per load (as ``<stage>_us``) of each stage ``Connector.stats()`` sums
+    (``stage_<stage>_s``), between two snapshots; None when no load finished in between (or the
+    connector counts no stages)."""
+    n = after.get("stage_loads", 0.0) - before.get("stage_loads", 0.0)
+    if n <= 0:
+        return None
+    out: dict[str, float] = {"loads": n}
+    for k in STAGES:
+        key = f"stage_{k}_s"
+        if key not in after:
+            continue
+        over = after.get("stage_handoffs", 0.0) - before.get("stage_handoffs", 0.0) if k == "handoff" else n
+        if over > 0:
+            out[f"{k}_us"] = (after[key] - before.get(key, 0.0)) / over * 1e6
+    return out
