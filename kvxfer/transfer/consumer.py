@@ -33,12 +33,8 @@ from kvxfer.protocol import (
     Abandon,
     DoneNotice,
     ErrorCode,
-    ErrorReply,
-    HandshakeResponse,
     KVTransferParams,
-    LeaseRenew,
     RemoteRank,
-    compat_hash,
 )
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.topology import ParallelLayout, SourceSlice, readers_of, remote_sources
@@ -60,8 +56,9 @@ from kvxfer.transfer.load import (
     Wake,
     checked_load_ids,
 )
+from kvxfer.transfer.notifier import Notifier, renewals
+from kvxfer.transfer.peers import PeerTable
 from kvxfer.transfer.planner import (
-    FUSED_REPACKABLE,
     SideLayout,
     concat,
     finish_staged,
@@ -76,7 +73,6 @@ logger = logging.getLogger(__name__)
 STAGING_REGION_BASE = 1 << 30
 READ_AGAIN_AFTER_S = 0.02  # a read refused as "not held" is sent again this soon (within hold_wait_s)
 BROKEN_AFTER_POLL_ERRORS = 20  # the plane's poll raising on this many turns in a row (about a second): broken
-MAX_RENEW_IDS = 4096  # request ids in one LeaseRenew (the protocol's limit)
 JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, retries)
 MAX_OUTCOMES = 4096  # finished requests whose outcome wait_layer still answers
 
@@ -87,14 +83,14 @@ class Consumer(PushReceiver):
     Threads and what each owns:
     - the engine's thread calls ``start_load``, ``reserve``, ``wait``, ``wait_layer``,
       ``abandon``, ``poll`` and ``close``; the side-channel thread calls ``layers_ready``;
-    - the worker's state, ``_peers``, ``_in_flight``, ``_read_again``, every ``Load``'s mutable
+    - the worker's state, ``peers``, ``_in_flight``, ``_read_again``, every ``Load``'s mutable
       fields and every ``Batch``, belongs to whoever holds ``_turn_lock``: the worker thread
       (``_run``) for each turn, or, on the fast path, the thread in ``start_load``: a load of at
       most ``inline_load_bytes`` from producer ranks already handshaken is begun on the caller's
       thread, with the plane's finished reads taken at once (cma copies one-sided in ``read``,
       so a small load is done when ``start_load`` returns: no thread hand-off). Only the holder
       calls the data plane (but for the completion callback, which only queues a ``Wake``);
-    - the notifier thread (``_notify_loop``) sends ``Notice``s; it owns nothing else.
+    - the notifier's thread (:class:`Notifier`) sends ``Notice``s; it owns nothing of the consumer's.
     ``_loads``, ``_waiting``, ``_done``, ``_outcomes``, ``_broken`` and every push load's
     ``landed`` are shared: read and written under ``_lock`` (``_layer_cv`` is its condition).
 
@@ -133,7 +129,7 @@ class Consumer(PushReceiver):
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
         self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
-        self._peers: dict[tuple[str, int], Peer] = {}  # (engine, rank) -> latest generation's peer
+        self.peers = PeerTable(engine_id, rank, layout, cache.spec, model, secret, client, plane, self.stats)
         self._in_flight: dict[int, Batch] = {}  # the plane's batch id -> the read
         self._read_again: list[Batch] = []
         self._poll_errors = 0  # the plane's poll raised this many turns in a row
@@ -144,7 +140,6 @@ class Consumer(PushReceiver):
         self._broken: str | None = None  # why loading cannot go on on this rank
         self._ready = threading.Event()  # set whenever _done gains something
         self._jobs: queue.Queue[Job] = queue.Queue()
-        self._notices: queue.Queue[Notice | None] = queue.Queue()
         self._lock = threading.Lock()
         self._layer_cv = threading.Condition(self._lock)  # push: a layer landed, or a load finished
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not (wait_layer)
@@ -159,9 +154,8 @@ class Consumer(PushReceiver):
         self.caller_takes_done = False
         plane.set_completion_callback(self._wake)
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
-        self._notifier = threading.Thread(target=self._notify_loop, name=f"kvxfer-notify-{rank}", daemon=True)
         self._worker.start()
-        self._notifier.start()
+        self.notifier = Notifier(client, rank)
 
     # ------------------------------------------------------------------ engine-facing
     def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
@@ -230,9 +224,8 @@ class Consumer(PushReceiver):
     def close(self) -> None:
         self._stop.set()
         self._jobs.put(Stop())
-        self._notices.put(None)
         self._worker.join(timeout=10)
-        self._notifier.join(timeout=10)
+        self.notifier.close()
 
     def _wake(self) -> None:
         """The plane finished a read: wake the worker, unless this thread takes it itself."""
@@ -262,8 +255,7 @@ class Consumer(PushReceiver):
         params = load.source
         ranks = {r.rank: r for r in params.ranks}
         for rr in self._slices_by_rank(params):
-            peer = self._peers.get((params.engine_id, rr))
-            if rr not in ranks or peer is None or peer.meta.generation != ranks[rr].generation:
+            if rr not in ranks or self.peers.known(params.engine_id, ranks[rr]) is None:
                 return False
         if self._broken is not None or not self._worker.is_alive():
             return False
@@ -375,62 +367,7 @@ class Consumer(PushReceiver):
         logger.error("rank %d: %s; every pending and later load on this rank fails at once", self.rank, why)
 
     def _peer(self, engine_id: str, r: RemoteRank, params: KVTransferParams) -> Peer:
-        key = (engine_id, r.rank)
-        peer = self._peers.get(key)
-        if peer is not None and peer.meta.generation == r.generation:
-            return peer
-        if peer is not None:  # the producer restarted: drop what we knew of the old one
-            logger.info("producer %s rank %d restarted (generation changed); handshaking again", engine_id, r.rank)
-            self.plane.disconnect(peer.peer_id)
-            del self._peers[key]
-        t0 = time.monotonic()
-        meta, token = self.client.handshake(r.host, r.port, self.engine_id, self.rank, self.layout, self.secret)
-        self.stats.handshook(time.monotonic() - t0)
-        self._check_peer(meta, engine_id, r, params)
-        side = SideLayout.from_remote(meta.spec, meta.regions)
-        peer_id = f"{engine_id}/{r.rank}/{meta.generation}"
-        self.plane.connect(peer_id, meta.data_address, token)
-        peer = Peer(meta, token, peer_id, side, r.host, r.port)
-        self._peers[key] = peer
-        return peer
-
-    def _check_peer(self, meta: HandshakeResponse, engine_id: str, r: RemoteRank, params: KVTransferParams) -> None:
-        if meta.engine_id != engine_id or meta.rank != r.rank:
-            raise HandshakeError(f"{r.host}:{r.port} is {meta.engine_id} rank {meta.rank}, "
-                                 f"expected {engine_id} rank {r.rank}", ErrorCode.BAD_PARAMS)
-        if meta.generation != r.generation:
-            raise HandshakeError(f"producer {engine_id} rank {r.rank} restarted: params are for generation "
-                                 f"{r.generation}, it now serves {meta.generation}; its blocks are gone",
-                                 ErrorCode.STALE_GENERATION)
-        local = self.cache.spec
-        mine = compat_hash(self.model, self.layout.num_layers, self.layout.num_kv_heads, local.head_size,
-                           local.dtype, local.mla)
-        if meta.compat_hash != mine:
-            diffs = [f"{name}: local {a!r}, remote {b!r}" for name, a, b in (
-                ("model", self.model, meta.model), ("num_layers", self.layout.num_layers, meta.layout.num_layers),
-                ("num_kv_heads", self.layout.num_kv_heads, meta.layout.num_kv_heads),
-                ("head_size", local.head_size, meta.spec.head_size), ("dtype", local.dtype, meta.spec.dtype),
-                ("mla", local.mla, meta.spec.mla)) if a != b]
-            raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: " + ("; ".join(diffs) or
-                                 f"compatibility hash {meta.compat_hash} != {mine}"), ErrorCode.INCOMPATIBLE)
-        if meta.spec.kv_fused != local.kv_fused:
-            raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: kv_fused: local {local.kv_fused}, "
-                                 f"remote {meta.spec.kv_fused} (no repack between fused and separate K/V yet)",
-                                 ErrorCode.INCOMPATIBLE)
-        rbs, lbs = meta.spec.block_size, local.block_size
-        ro, lo = meta.spec.fused_order, local.fused_order
-        if local.kv_fused and ro and lo and ro != lo:
-            raise HandshakeError(f"incompatible producer {engine_id} rank {r.rank}: fused caches in different kernel "
-                                 f"orders (fused_order: local {lo!r}, remote {ro!r}; no repack between them yet)",
-                                 ErrorCode.INCOMPATIBLE)
-        if local.kv_fused and rbs != lbs and not (ro == lo == FUSED_REPACKABLE):
-            raise HandshakeError(f"producer {engine_id} rank {r.rank}: fused caches (vLLM's CPU layout) move whole "
-                                 f"blocks in the engine's own token order: block sizes must match (local {lbs}, "
-                                 f"remote {rbs}) unless both orders are {FUSED_REPACKABLE!r} (fused_order: local "
-                                 f"{lo!r}, remote {ro!r})", ErrorCode.INCOMPATIBLE)
-        if max(rbs, lbs) % min(rbs, lbs):
-            raise HandshakeError(f"unsupported block sizes: local {lbs}, remote {rbs} (must divide one another)",
-                                 ErrorCode.INCOMPATIBLE)
+        return self.peers.get(engine_id, r)
 
     def _begin(self, load: Load) -> None:
         load.began_at = time.monotonic()
@@ -560,7 +497,7 @@ class Consumer(PushReceiver):
         if not res.ok:
             if load.failure is None:
                 load.failure = (res.code or ErrorCode.INTERNAL, res.error or "read failed")
-            self._forget(res.peer_id)  # the next load handshakes again, on a fresh connection
+            self.peers.forget(res.peer_id)  # the next load handshakes again, on a fresh connection
         elif load.failure is None:
             self._landed(load, batch)
         if not load.batches:
@@ -589,23 +526,13 @@ class Consumer(PushReceiver):
         """Forget a load's outstanding reads; the peers of those still in flight are dropped
         first, so that the data plane writes nothing more into blocks about to be called invalid."""
         for peer_id in {b.peer_id for b in load.batches if b.batch_id is not None}:
-            self._forget(peer_id)
+            self.peers.forget(peer_id)
         for b in load.batches:
             if b.batch_id is not None:
                 self._in_flight.pop(b.batch_id, None)
         if any(b.read_again_at is not None for b in load.batches):
             self._read_again = [b for b in self._read_again if b.load is not load]
         load.batches.clear()
-
-    def _forget(self, peer_id: str) -> None:
-        """Close the data path to a peer and drop what the handshake told us of it."""
-        for key, p in list(self._peers.items()):
-            if p.peer_id == peer_id:
-                del self._peers[key]
-        try:
-            self.plane.disconnect(peer_id)
-        except Exception as e:
-            report("consumer worker: disconnect", e, f"peer {peer_id}")
 
     def _complete(self, load: Load) -> None:
         params = load.source
@@ -631,14 +558,14 @@ class Consumer(PushReceiver):
                 self._outcome(load.request_id, True)
                 self._signal_done()
         for rr, peer in load.peers.items():
-            self._notices.put(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
+            self.notifier.send(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
                                                                               peer.token)))
         if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
             unread = self._unread_ranks(params.layout)
             for r in params.ranks:
                 if r.rank in unread:
-                    self._notices.put(Notice(r, self._done_notice(load, r.generation,
-                                                                   self._token_for(params.engine_id, r))))
+                    self.notifier.send(Notice(r, self._done_notice(load, r.generation,
+                                                                   self.peers.token_for(params.engine_id, r))))
         if not reported:
             return
         # stages: queue (start_load -> worker), plan (-> first read issued), transfer (-> last read
@@ -701,15 +628,11 @@ class Consumer(PushReceiver):
             except Exception as e:
                 report("consumer worker: unregister staging", e, f"request {load.request_id}")
 
-    def _token_for(self, engine_id: str, r: RemoteRank) -> bytes:
-        peer = self._peers.get((engine_id, r.rank))
-        return peer.token if peer is not None and peer.meta.generation == r.generation else b""
-
     def _send_abandon(self, p: KVTransferParams, reason: str) -> None:
         """Tell every producer rank of ``p`` to free the request now (worker thread: it knows the tokens)."""
         for r in p.ranks:
-            self._notices.put(Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
-                                                 reason=reason[:1000], token=self._token_for(p.engine_id, r))))
+            self.notifier.send(Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
+                                                 reason=reason[:1000], token=self.peers.token_for(p.engine_id, r))))
 
     def _renew_interval(self) -> float:
         """A third of the shortest lease among waiting requests (the producer's, from params)."""
@@ -720,30 +643,8 @@ class Consumer(PushReceiver):
     def _renew_waiting(self) -> None:
         with self._lock:
             waiting = list(self._waiting.values())
-        by_rank: dict[tuple[str, int, int], tuple[RemoteRank, list[str], str]] = {}
-        for p in waiting:
-            for r in p.ranks:
-                key = (p.engine_id, r.rank, r.generation)
-                by_rank.setdefault(key, (r, [], p.engine_id))[1].append(p.request_id)
-        for r, ids, engine in by_rank.values():
-            for a in range(0, len(ids), MAX_RENEW_IDS):
-                self._notices.put(Notice(r, LeaseRenew(request_ids=ids[a : a + MAX_RENEW_IDS],
-                                                        generation=r.generation, token=self._token_for(engine, r))))
-
-    def _notify_loop(self) -> None:
-        """Send done, abandon and renew notices, one at a time, each bounded by the client's timeout."""
-        while (notice := self._notices.get()) is not None:
-            r, msg = notice.rank, notice.msg
-            try:
-                reply = self.client.request(r.host, r.port, msg, retries=1)
-                if isinstance(reply, ErrorReply):
-                    logger.info("producer rank %d answered %s: %s: %s", r.rank, type(msg).__name__,
-                                reply.code.value, reply.message)
-            except HandshakeError as e:
-                logger.warning("%s to producer rank %d not delivered: %s", type(msg).__name__, r.rank, e)
-            except Exception as e:  # supervised: the next notice still goes out
-                report("consumer notifier", e, f"{type(msg).__name__} to producer rank {r.rank}")
-        self.client.close_thread()
+        for notice in renewals(waiting, self.peers.token_for):
+            self.notifier.send(notice)
 
 
 def _rank_of(params: KVTransferParams, rank: int) -> RemoteRank:
