@@ -316,3 +316,32 @@ def test_many_loads_in_flight_at_once_arrive_bit_exact(pair: tuple) -> None:
     for i in range(n):
         for a, b in zip(pt, ct, strict=True):
             assert torch.equal(a[[2 * i, 2 * i + 1]].view(torch.uint8), b[[63 - 2 * i, 62 - 2 * i]].view(torch.uint8))
+
+
+def test_channel_has_next_says_whether_a_whole_message_waits_without_taking_it() -> None:
+    """The agent sends a burst's events once, after its last StartLoad: ``has_next`` must not
+    count half a frame as a message, nor lose one it read ahead."""
+    import socket
+
+    from kvxfer.agent.channel import Channel, ChannelClosed
+    from kvxfer.agent.messages import Command, Release
+
+    a, b = socket.socketpair()
+    reader, writer = Channel(a, Command), Channel(b, Command)
+    assert not reader.has_next()
+    load = Release(request_id="r")
+    whole = msgspec.msgpack.encode(load)
+    b.sendall(len(whole).to_bytes(4, "little") + whole[:3])  # half a frame
+    assert not reader.has_next()
+    b.sendall(whole[3:])
+    writer.send(load)
+    assert reader.has_next()
+    assert reader.recv(1.0) == load
+    assert reader.has_next()  # the second one was read ahead into the buffer
+    assert reader.recv(1.0) == load
+    assert not reader.has_next()
+    writer.close()
+    assert reader.has_next()  # the close is news too: the next recv raises it
+    with pytest.raises(ChannelClosed):
+        reader.recv(1.0)
+    reader.close()

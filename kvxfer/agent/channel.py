@@ -90,6 +90,18 @@ class Channel:
         _, ready, _ = select.select([], [self.sock], [], 0)
         return bool(ready)
 
+    def has_next(self) -> bool:
+        """Whether a whole message is here to receive now (read without waiting or releasing the GIL)."""
+        if self._whole():
+            return True
+        try:
+            return self._take_now() and self._whole()
+        except ChannelClosed:
+            return True  # the next ``recv`` raises it
+
+    def _whole(self) -> bool:
+        return len(self._buf) >= _HEADER.size and len(self._buf) >= _HEADER.size + _HEADER.unpack_from(self._buf)[0]
+
     def _frame(self) -> Any | None:
         """One complete frame from the buffer, decoded, or None."""
         if len(self._buf) < _HEADER.size:

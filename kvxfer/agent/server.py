@@ -10,8 +10,9 @@ Threads: the main thread answers commands, in order (``SaveLayer`` and ``StartLo
 no answer; a load refused here is reported failed through the events); the event thread waits for
 the connector to finish something and sends it. Both send events through ``_flush``, under
 ``_events_lock`` (one sender, events in order; ``_pending`` and ``_broken`` are its): the main
-thread right after a ``StartLoad``, so a load the consumer's fast path finished there goes out at
-once, with no hand-off to the event thread. Refused loads wait in ``_refused`` (``_refused_lock``).
+thread right after a ``StartLoad`` (after the last of a burst of them already sent), so a load the
+consumer's fast path finished there goes out at once, with no hand-off to the event thread. Refused
+loads wait in ``_refused`` (``_refused_lock``).
 Nothing else in the process touches the channels.
 """
 
@@ -103,6 +104,7 @@ class Agent:
         self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
         notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
+        unsent = False  # loads started since the last _flush_now
         try:
             while True:
                 try:
@@ -125,9 +127,12 @@ class Agent:
                     self._save_layer(cmd)
                 elif isinstance(cmd, StartLoad):  # one-way too
                     self._start_load(cmd)
-                    self._flush_now()
+                    unsent = True
                 elif cmd is not None:
                     self._reply(self._answer(cmd))
+                if unsent and not self.commands.has_next():  # a burst of loads: their events go out as one
+                    self._flush_now()
+                    unsent = False
         finally:
             self._stop.set()
             if self.conn is not None:
