@@ -345,3 +345,41 @@ def test_channel_has_next_says_whether_a_whole_message_waits_without_taking_it()
     with pytest.raises(ChannelClosed):
         reader.recv(1.0)
     reader.close()
+
+
+def _mapped_rss(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that this process's page tables map (smaps' Rss)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                rss = next(ln for ln in lines[i + 1:] if ln.startswith("Rss:"))
+                return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_agents_view_of_the_cache_is_prefaulted_without_changing_a_byte() -> None:
+    """A data plane in the agent writes and reads the cache through the agent's own mapping of it; its page
+    tables are filled at once, so a transfer takes no page fault per 4 KiB page (the engine's bytes kept)."""
+    from kvxfer.agent import shared
+
+    c = cfg("decode")
+    cache = allocate_kv_cache(spec_from_config(c), NB)
+    for i, t in enumerate(cache.tensors):
+        t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
+                                                         generator=torch.Generator().manual_seed(i),
+                                                         dtype=torch.uint8))
+    before = [t.view(-1).view(torch.uint8).clone() for t in cache.tensors]  # random bytes: NaNs as floats
+    tensors = shared.share_tensors(cache)
+    view = shared.map_cache(spec_from_config(c), NB, tensors)
+    buffers = view._buffers
+    assert buffers and all(isinstance(b, shared.mmap.mmap) for b in buffers)
+    addr = [t.data_ptr() for t in view.tensors]
+    assert shared.populate(buffers) == sum(len(b) for b in buffers)  # what the agent's thread does at map time
+    for a, b in zip(addr, buffers, strict=True):
+        assert _mapped_rss(a) >= len(b) // 4096 * 4096, "every page of the agent's mapping is mapped"
+    for v, t, b in zip(view.tensors, cache.tensors, before, strict=True):
+        # nothing written: the engine's bytes, seen through both
+        assert torch.equal(v.reshape(-1).view(torch.uint8), b) and torch.equal(t.reshape(-1).view(torch.uint8), b)

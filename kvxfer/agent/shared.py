@@ -6,13 +6,25 @@ engine (or vLLM) already holds sees the shared pages. The agent maps the same fi
 descriptor and builds its own tensors over them. Shared memory comes from /dev/shm (checked
 for room first); on this kernel it has no transparent huge pages unless ``shmem_enabled``
 allows them.
+
+The agent's mapping starts with empty page tables: the first read or write of each 4 KiB page
+through it would take a page fault inside the transfer (a data plane writing a block the agent
+never touched, or a cma reader pinning the producer agent's pages). Measured here, a 2 MiB
+block of 64 pieces copied with ``process_vm_readv`` into and out of such mappings: 1.1-1.2 ms,
+against 0.47-0.49 ms once the page tables are filled. So the agent fills them at once, writable,
+without touching a byte (``MADV_POPULATE_WRITE``, Linux 5.14), on a thread of its own so that
+registration does not wait: the page tables cost 2 MiB per GiB of cache.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
+import threading
+import time
 
 import torch
 
@@ -24,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 SHM = "/dev/shm"
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
+POPULATE_CHUNK = 64 << 20  # bytes per madvise call: the populating thread yields between them
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # CDLL: the GIL is released
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 
 
 def share_tensors(cache: KVCache) -> list[SharedTensor]:
@@ -77,4 +95,26 @@ def map_cache(spec: KVCacheSpec, num_blocks: int, tensors: list[SharedTensor]) -
         views.append(raw.view(spec.torch_dtype).view(st.shape))
     cache = KVCache(spec=spec, num_blocks=num_blocks, tensors=views, names=[])
     cache._buffers = buffers
+    if buffers:
+        threading.Thread(target=populate, args=(buffers,), name="kvxfer-populate", daemon=True).start()
     return cache
+
+
+def populate(buffers: list[mmap.mmap]) -> int:
+    """Fill the page tables of ``buffers`` (writable, no byte touched; see the module doc);
+    returns the bytes populated. A kernel without ``MADV_POPULATE_WRITE`` leaves the pages to
+    fault in on first use, as before (logged once). The mappings live as long as the agent."""
+    t0 = time.monotonic()
+    done = 0
+    for buf in buffers:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        for at in range(0, len(buf), POPULATE_CHUNK):
+            n = min(POPULATE_CHUNK, len(buf) - at)
+            if _libc.madvise(base + at, n, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                logger.info("the transfer agent's cache mapping is not prefaulted (madvise: %s); its pages fault "
+                            "in on first use", os.strerror(err))
+                return done
+            done += n
+    logger.debug("prefaulted %.1f MiB of the cache mapping in %.2f s", done / 2**20, time.monotonic() - t0)
+    return done
