@@ -268,15 +268,20 @@ def test_both_servers_shut_down_cleanly(pair: Pair) -> None:
 
 
 def test_the_vllm_bench_runs(tmp_path: Path) -> None:
-    """`kvxfer bench vllm` on the smallest sweep, so the command stays working (where NIXL is not
-    installed, as in CI, the table says how to install it instead of breaking the run)."""
+    """`kvxfer bench vllm` on the smallest sweep, busy phase included, so the command stays working
+    (where NIXL is not installed, as in CI, the table says how to install it instead of breaking the run)."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "vllm", "--connectors", "nixl", "kvxfer-cma",
-                        "--requests", "1", "--warmup", "1", "--prompt-tokens", "200", "--json", str(out)],
+                        "--requests", "1", "--warmup", "1", "--prompt-tokens", "200", "--busy-decode", "2",
+                        "--busy-output", "16", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [row["connector"] for row in rows][-1] == "kvxfer-cma"
     assert rows[-1]["failed_transfers"] == 0 and rows[-1]["transfers_measured"] == 1
+    busy = rows[-1]["busy"]  # the same request count again, other requests decoding meanwhile
+    assert busy["failed_transfers"] == 0 and busy["transfers_measured"] == 1, busy
+    assert busy["background_errors"] == [] and busy["background_done"] >= 2, busy
+    assert "busy/idle" in r.stdout
     if importlib.util.find_spec("nixl") is None:
         assert "pip install nixl" in r.stdout

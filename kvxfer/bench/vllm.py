@@ -11,6 +11,11 @@ the output. Reported per connector:
   load to its end, planning included); the mean over the measured requests;
 - the ratio of each to NIXL's, measured in the same run.
 
+With ``--busy-decode N`` each connector's measured requests run twice on the same servers: first
+with the decode server otherwise idle, then while N other requests keep it decoding (each a short
+prompt of its own, decoded for ``--busy-output`` tokens and sent again when it ends). The table
+then gives the busy transfer time, busy/idle, and the busy ratio to NIXL's busy figure.
+
 NIXL needs ``pip install nixl-cu12==1.5.1`` and ``pip install --no-deps nixl==1.5.1``; without
 it the table says so and kvxfer's rows stand alone.
 """
@@ -23,16 +28,28 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvxfer.engine.launcher import _pct
-from kvxfer.integrations.vllm_pd import VllmServer, completion_body, free_port, metric_totals, prefill
+from kvxfer.integrations.vllm_pd import (
+    MAX_NUM_SEQS,
+    VllmServer,
+    completion_body,
+    free_port,
+    metric_totals,
+    post,
+    prefill,
+)
 from kvxfer.progress import Progress
 
 CONNECTORS = ("nixl", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+REQUEST_TIMEOUT_S = 300.0
+BUSY_PROMPT_TOKENS = 32  # a background request's prompt: short, so it is decoding nearly all its life
+BUSY_SETTLE_S = 1.0
 
 
 def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
@@ -41,7 +58,7 @@ def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first = None
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
         for line in r:
             if first is None and line.startswith(b"data: {"):
                 first = time.perf_counter() - t0
@@ -50,50 +67,108 @@ def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
     return first, time.perf_counter() - t0
 
 
+class BusyDecode:
+    """``n`` threads that keep a vLLM server decoding: each sends a short prompt of its own
+    (served locally, no KV transfer) for ``output`` tokens, and again when it ends, until the
+    ``with`` block ends. ``done`` and ``errors`` are written by those threads under ``_lock`` and
+    read by the caller after the block."""
+
+    def __init__(self, url: str, n: int, output: int, seed: int) -> None:
+        self.url, self.output = url, output
+        self._stop = threading.Event()
+        self.done = 0  # background requests completed (a sanity check that the server was busy)
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        rng = random.Random(seed)
+        self._threads = [threading.Thread(target=self._loop, args=(rng.randrange(1 << 30),), daemon=True,
+                                          name=f"busy-decode-{i}") for i in range(n)]
+
+    def __enter__(self) -> BusyDecode:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=REQUEST_TIMEOUT_S)
+
+    def _loop(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self._stop.is_set():
+            prompt = [rng.randrange(3, 1000) for _ in range(BUSY_PROMPT_TOKENS)]
+            try:
+                post(self.url + "/v1/completions", completion_body(prompt, self.output), timeout_s=REQUEST_TIMEOUT_S)
+                with self._lock:
+                    self.done += 1
+            except Exception as e:  # reported in the row; the measurement goes on
+                with self._lock:
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                self._stop.wait(1.0)
+
+
+def _phase(p: VllmServer, d: VllmServer, prompts: list[list[int]], output: int, metrics_url: str, hist: str,
+           failed_key: str, bar: Progress, done: int) -> dict[str, Any]:
+    """The measured requests of one phase, one at a time; TTFT and the transfer histogram's mean."""
+    before = metric_totals(metrics_url)
+    ttft, e2e = [], []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        params = prefill(p.url, prompt)
+        t_prefill = time.perf_counter() - t0
+        first, total = _stream_first_token(d.url, completion_body(prompt, output, params))
+        ttft.append((t_prefill + first) * 1e3)
+        e2e.append((t_prefill + total) * 1e3)
+        bar.update(done + i + 1)
+    after = metric_totals(metrics_url)
+    n = after.get(f"{hist}_count", 0) - before.get(f"{hist}_count", 0)
+    xfer_ms = (after.get(f"{hist}_sum", 0) - before.get(f"{hist}_sum", 0)) / n * 1e3 if n else float("nan")
+    return {"requests": len(ttft), "transfers_measured": n,
+            "failed_transfers": after.get(failed_key, 0) - before.get(failed_key, 0),
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "e2e_p50_ms": _pct(e2e, 50),
+            "transfer_mean_ms": xfer_ms}
+
+
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
-             logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1")) -> dict[str, Any]:
+             logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1"), busy_decode: int = 0,
+             busy_prompts: list[list[int]] | None = None, busy_output: int = 128) -> dict[str, Any]:
+    """One connector's row: its servers, the warm-up, the idle phase and (``busy_decode`` > 0) the
+    busy phase over ``busy_prompts``."""
     kind = "nixl" if connector == "nixl" else "kvxfer"
     extra = None
     mport = free_port()
     if kind == "kvxfer":
         extra = {"connector": {"name": connector.split("-", 1)[1]}, "metrics_port": mport}
-    length = max(1024, max(len(q) for q in prompts) + output + 1)
+    busy_prompts = busy_prompts or []
+    length = max(1024, max(len(q) for q in prompts + busy_prompts) + output + 1,
+                 BUSY_PROMPT_TOKENS + busy_output + 1)
     p = VllmServer(model, free_port(), "prefill", kind, extra and {**extra, "metrics_port": free_port()}, dtype,
                    cpu=cpus[0], log=logdir / f"{connector}-prefill.log", max_model_len=length)
     d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu=cpus[1],
                    log=logdir / f"{connector}-decode.log", max_model_len=length)
     metrics_url = f"http://127.0.0.1:{mport}/metrics" if kind == "kvxfer" else d.url + "/metrics"
     hist = "kvxfer_transfer_seconds" if kind == "kvxfer" else "vllm:nixl_xfer_time_seconds"
+    failed_key = "kvxfer_loads_failed_total" if kind == "kvxfer" else "vllm:nixl_num_failed_transfers_total"
     try:
         p.wait_ready()
         d.wait_ready()
-        print(f"{connector}: servers ready; {warmup} warm-up and {len(prompts) - warmup} measured requests",
-              file=sys.stderr)
-        bar = Progress(len(prompts), "requests")
-        ttft, e2e = [], []
-        before: dict[str, float] = {}
-        for i, prompt in enumerate(prompts):
-            if i == warmup:
-                before = metric_totals(metrics_url)
-            t0 = time.perf_counter()
-            params = prefill(p.url, prompt)
-            t_prefill = time.perf_counter() - t0
-            first, total = _stream_first_token(d.url, completion_body(prompt, output, params))
-            if i >= warmup:
-                ttft.append((t_prefill + first) * 1e3)
-                e2e.append((t_prefill + total) * 1e3)
-            bar.update(i + 1)
-        after = metric_totals(metrics_url)
-        n = after.get(f"{hist}_count", 0) - before.get(f"{hist}_count", 0)
-        xfer_ms = (after.get(f"{hist}_sum", 0) - before.get(f"{hist}_sum", 0)) / n * 1e3 if n else float("nan")
-        failed_key = "kvxfer_loads_failed_total" if kind == "kvxfer" else "vllm:nixl_num_failed_transfers_total"
-        failed = after.get(failed_key, 0) - before.get(failed_key, 0)
+        measured = len(prompts) - warmup + (len(busy_prompts) if busy_decode else 0)
+        print(f"{connector}: servers ready; {warmup} warm-up and {measured} measured requests"
+              + (f" ({len(busy_prompts)} while {busy_decode} others decode)" if busy_decode else ""), file=sys.stderr)
+        bar = Progress(len(prompts) + (len(busy_prompts) if busy_decode else 0), "requests")
+        _phase(p, d, prompts[:warmup], output, metrics_url, hist, failed_key, bar, 0)
+        row: dict[str, Any] = {"connector": connector, **_phase(p, d, prompts[warmup:], output, metrics_url, hist,
+                                                                 failed_key, bar, warmup)}
+        if busy_decode:
+            with BusyDecode(d.url, busy_decode, busy_output, seed=len(prompts)) as busy:
+                time.sleep(BUSY_SETTLE_S)  # the background requests are admitted and decoding
+                row["busy"] = _phase(p, d, busy_prompts, output, metrics_url, hist, failed_key, bar, len(prompts))
+            row["busy"].update(decode_requests=busy_decode, background_done=busy.done,
+                               background_errors=busy.errors[:5])
     finally:
         p.stop()
         d.stop()
-    return {"connector": connector, "requests": len(ttft), "transfers_measured": n, "failed_transfers": failed,
-            "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "e2e_p50_ms": _pct(e2e, 50),
-            "transfer_mean_ms": xfer_ms}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--cpus", nargs=2, default=["0", "1"], metavar=("PREFILL", "DECODE"),
                     help="VLLM_CPU_OMP_THREADS_BIND of each server ('none': unbound); default: one core each")
+    ap.add_argument("--busy-decode", type=int, default=0, metavar="N",
+                    help="also measure the requests again while N other requests keep the decode server decoding "
+                         f"(1 to {MAX_NUM_SEQS - 1}; 0: idle only)")
+    ap.add_argument("--busy-output", type=int, default=128, help="tokens each background request decodes")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="PNG: TTFT and transfer time per connector")
     args = ap.parse_args(argv)
+    if not 0 <= args.busy_decode < MAX_NUM_SEQS:
+        ap.error(f"--busy-decode: expected 0 to {MAX_NUM_SEQS - 1} (the servers run {MAX_NUM_SEQS} sequences at "
+                 f"once and the measured request needs one), got {args.busy_decode}")
+    if args.busy_output < 1 or args.requests < 1 or args.warmup < 0:
+        ap.error("--busy-output and --requests must be at least 1, --warmup at least 0")
     if importlib.util.find_spec("vllm") is None:
         print("error: vLLM is not installed here (pip install -c constraints.txt -e '.[vllm-test]')", file=sys.stderr)
         return 1
@@ -126,27 +210,27 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tiny_llama(work / "model", num_layers=8, hidden=512, heads=8, kv_heads=8)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_tokens)] for _ in range(args.warmup + args.requests)]
+    busy_prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_tokens)]
+                    for _ in range(args.requests if args.busy_decode else 0)]
     rows = []
     for c in args.connectors:
         if c in missing:
             continue
         cpus = tuple(None if x == "none" else x for x in args.cpus)
-        rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work, cpus))  # type: ignore[arg-type]
+        rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work, cpus,  # type: ignore[arg-type]
+                             args.busy_decode, busy_prompts, args.busy_output))
     base = next((r for r in rows if r["connector"] == "nixl"), None)
     for r in rows:
         r["ttft_ratio_to_nixl"] = r["ttft_p50_ms"] / base["ttft_p50_ms"] if base else None
         r["transfer_ratio_to_nixl"] = r["transfer_mean_ms"] / base["transfer_mean_ms"] if base else None
+        if "busy" in r:
+            b = r["busy"]
+            b["transfer_busy_over_idle"] = b["transfer_mean_ms"] / r["transfer_mean_ms"]
+            b["transfer_ratio_to_nixl"] = (b["transfer_mean_ms"] / base["busy"]["transfer_mean_ms"]
+                                           if base and "busy" in base else None)
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
           f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}; baseline NixlConnector, same run")
-    header = (f"{'connector':<12} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
-              f"{'xfer/NIXL':>10} {'failed':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        tr = f"{r['ttft_ratio_to_nixl']:10.2f}" if base else f"{'-':>10}"
-        xr = f"{r['transfer_ratio_to_nixl']:10.2f}" if base else f"{'-':>10}"
-        print(f"{r['connector']:<12} {r['ttft_p50_ms']:7.1f} ms {r['ttft_p90_ms']:7.1f} ms "
-              f"{r['transfer_mean_ms']:7.2f} ms {tr} {xr} {int(r['failed_transfers']):>6}")
+    _table(rows, base is not None)
     for c, why in missing.items():
         print(f"{c:<12} {why}")
     print(f"server logs: {work}")
@@ -161,18 +245,58 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _ratio(x: float | None) -> str:
+    return f"{x:10.2f}" if x is not None else f"{'-':>10}"
+
+
+def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
+    busy = any("busy" in r for r in rows)
+    header = (f"{'connector':<12} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
+              f"{'xfer/NIXL':>10} {'failed':>6}")
+    if busy:
+        header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'failed':>6}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        line = (f"{r['connector']:<12} {r['ttft_p50_ms']:7.1f} ms {r['ttft_p90_ms']:7.1f} ms "
+                f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
+                f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6}")
+        if "busy" in r:
+            b = r["busy"]
+            line += (f" | {b['transfer_mean_ms']:7.2f} ms {_ratio(b['transfer_busy_over_idle'])} "
+                     f"{_ratio(b['transfer_ratio_to_nixl'])} {int(b['failed_transfers']):>6}")
+        print(line)
+    if busy:
+        print("busy: the same number of requests again while other requests keep the decode server decoding "
+              "(background requests completed: "
+              + ", ".join(f"{r['connector']} {r['busy']['background_done']}" for r in rows if "busy" in r) + ")")
+    if not with_nixl:
+        print("(no NixlConnector row in this run: no ratios)")
+
+
 def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     names = [r["connector"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    busy = all("busy" in r for r in rows)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11 if busy else 10, 4))
+    x = np.arange(len(names))
+    w = 0.4 if busy else 0.8
     for ax, key, what in ((a, "ttft_p50_ms", "time to first token, p50 (ms)"),
                           (b, "transfer_mean_ms", "KV transfer per request, mean (ms)")):
-        bars = ax.bar(names, [r[key] for r in rows], color=["#888" if n == "nixl" else "#1f77b4" for n in names])
+        colors = ["#888" if n == "nixl" else "#1f77b4" for n in names]
+        bars = ax.bar(x - (w / 2 if busy else 0), [r[key] for r in rows], w, color=colors, label="decode idle")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        if busy:
+            bars = ax.bar(x + w / 2, [r["busy"][key] for r in rows], w, color=colors, hatch="//", alpha=0.6,
+                          label=f"decode busy ({rows[0]['busy']['decode_requests']} others decoding)")
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            ax.legend(fontsize=8)
+        ax.set_xticks(x, names)
         ax.set_ylabel(what)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"vLLM 1P1D, {prompt_tokens}-token prompts: NixlConnector (grey) vs KvxferConnector", fontsize=10)

@@ -25,6 +25,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+MAX_NUM_SEQS = 8  # sequences a server runs at once (--max-num-seqs)
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -76,7 +77,8 @@ class VllmServer:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", dtype, *(["--enforce-eager"] if eager else []), "--max-model-len", str(max_model_len),
-                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--max-num-seqs", str(MAX_NUM_SEQS),
                 "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role, extra)), *args]
         e = dict(os.environ)
         e.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
