@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -349,7 +350,7 @@ def test_channel_has_next_says_whether_a_whole_message_waits_without_taking_it()
 
 def _mapped_rss(address: int) -> int:
     """Bytes of the mapping holding ``address`` that this process's page tables map (smaps' Rss)."""
-    lines = open("/proc/self/smaps").read().splitlines()
+    lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
         head = line.split()[0]
         if "-" in head and ":" not in head:
