@@ -36,8 +36,10 @@ class Instances:
         for name, role, cpu in (("p1", "prefill", "0"), ("p2", "prefill", "0"), ("d1", "decode", "1"),
                                 ("d2", "decode", "1")):
             self.metrics[name] = free_port()
+            # float32: vec kernel on every x86 host (bf16 at block 128 takes vLLM's amx kernel where the host
+            # has AMX, whose worker died of SIGILL with concurrent requests here; docs/vllm.md)
             self.servers[name] = VllmServer(model, free_port(), role, extra=extra("tcp", self.metrics[name]),
-                                            cpu=cpu, log=logs / f"{name}.log")
+                                            cpu=cpu, log=logs / f"{name}.log", dtype="float32")
 
     def stop(self) -> None:
         for s in self.servers.values():
