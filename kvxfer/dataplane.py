@@ -16,6 +16,7 @@ Contract for implementations:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -34,6 +35,7 @@ from kvxfer.supervise import describe, report
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvxfer.connectors"
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Descriptors:
         arrays = (self.remote_region, self.remote_offset, self.local_region, self.local_offset, self.length)
         n = len(self.length)
         for a in arrays:
-            if a.ndim != 1 or len(a) != n or a.dtype != np.int64:
+            if a.ndim != 1 or len(a) != n or a.dtype != _INT64:
                 raise ValueError("Descriptors: expected five 1-d int64 arrays of one length")
         if n and (self.length.min() <= 0 or self.remote_offset.min() < 0 or self.local_offset.min() < 0):
             raise ValueError("Descriptors: lengths must be > 0 and offsets >= 0")
@@ -58,8 +60,9 @@ class Descriptors:
     def __len__(self) -> int:
         return len(self.length)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The batch's bytes (summed once: the planner, the plane and its result each ask)."""
         return int(self.length.sum())
 
     @classmethod

@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ _peekv.argtypes = _readv.argtypes
 _peekv.restype = ctypes.c_ssize_t
 PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) keep the GIL
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
+MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 
 
 class _Iovec(ctypes.Structure):
@@ -126,16 +127,50 @@ class CmaAddress(msgspec.Struct, frozen=True):
     board: tuple[int, int] = (0, 0)  # the producer's hold board: (address, rows); (0, 0): none, ask for grants
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """A batch's regions looked up once per region pattern (its region ids, in order): per
+    piece, its region's length, address and bytes per block. Loads of one plan shape repeat
+    one pattern, so a read then costs no search of the region table."""
+
+    sizes: np.ndarray
+    bases: np.ndarray
+    strides: np.ndarray | None  # None: not asked for (this side's regions)
+
+
+def _pieces(cache: dict[bytes, _Pieces], ids: np.ndarray, sizes: np.ndarray, bases: np.ndarray,
+            strides: np.ndarray | None, regions: np.ndarray) -> _Pieces | None:
+    """The per-piece tables of ``regions`` (``ids`` sorted, the rest by position in it), kept in
+    ``cache``; None when some region is not among ``ids``."""
+    key = regions.tobytes()
+    hit = cache.get(key)
+    if hit is None:
+        if not len(ids):
+            return None
+        pos = np.minimum(np.searchsorted(ids, regions), len(ids) - 1)
+        if not (ids[pos] == regions).all():
+            return None
+        hit = _Pieces(sizes[pos], bases[pos], None if strides is None else strides[pos])
+        for a in (hit.sizes, hit.bases, hit.strides):
+            if a is not None:
+                a.flags.writeable = False
+        if len(cache) >= MAX_PATTERNS:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
 @dataclass
 class _Peer:
     addr: CmaAddress
     dealer: Any  # zmq DEALER to the producer's control socket (plane thread only)
     token: bytes
-    base: np.ndarray  # remote region id -> address, indexed by position in ids
+    base: np.ndarray  # remote region id -> address (int64), indexed by position in ids
     ids: np.ndarray
     sizes: np.ndarray
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
     peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
+    patterns: dict[bytes, _Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
 
 
 @dataclass
@@ -145,18 +180,21 @@ class _Awaited:
     peer_id: str
     request_id: str
     d: Descriptors
+    local: np.ndarray  # each piece's local region's address
     pos: np.ndarray  # index of each piece's remote region in the peer's tables
     deadline: float
 
 
-def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -> None:
+def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = False,
+              nbytes: int | None = None) -> None:
     """Copy the pieces ``remote`` [n, 2] (address, length) of process ``pid`` into ``local`` [n, 2];
     IOV_MAX at a time, the GIL released during each call unless ``keep_gil`` (a short copy: a
     busy thread of this process then cannot make the caller wait for the GIL afterwards).
-    Raises OSError on any failure or short copy."""
+    ``nbytes``: the pieces' total, when the caller knows it. Raises OSError on any failure or
+    short copy."""
     call = _peekv if keep_gil else _readv
     if len(local) <= IOV_MAX and local.flags.c_contiguous and remote.flags.c_contiguous:  # the usual case
-        want = int(local[:, 1].sum())
+        want = int(local[:, 1].sum()) if nbytes is None else nbytes
         got = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
         if got != want:
             err = ctypes.get_errno()
@@ -195,7 +233,7 @@ class CmaDataPlane(HostRegionPlane):
         # disconnect returns only when no copy from that peer runs); taken by the reading thread
         self._direct: dict[str, _Peer] = {}
         self._direct_lock = threading.Lock()
-        self._local = self._local_table()  # (sorted region ids, addresses): what _copy writes into
+        self._local = self._local_table()  # what read() looks this side's pieces up in (_local_table)
         self.one_sided_reads = 0  # reads the board allowed
         self.granted_reads = 0  # reads that asked the producer
         self._ids = itertools.count(1)
@@ -256,7 +294,7 @@ class CmaDataPlane(HostRegionPlane):
             raise ConnectionError(f"peer {peer_id} (pid {addr.pid}): the kernel refuses cross-memory reads ({e}); "
                                   f"another pid namespace, or ptrace denied: use tcp or ucx") from None
         ids = np.array(sorted(addr.regions), dtype=np.int64)
-        peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.uint64), ids,
+        peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
                      np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
                      np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
         with self._direct_lock:
@@ -281,33 +319,45 @@ class CmaDataPlane(HostRegionPlane):
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         batch_id = next(self._ids)
-        why = check_bounds(self._table, descriptors.local_region, descriptors.local_offset, descriptors.length)
-        if why is not None or len(descriptors) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
-        elif not self._read_one_sided(peer_id, request_id, batch_id, descriptors):
+        d = descriptors
+        if len(d) == 0:
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, None))
+            return batch_id
+        ids, sizes, bases, patterns = self._local
+        local = _pieces(patterns, ids, sizes, bases, None, d.local_region)
+        if local is None or (d.local_offset + d.length > local.sizes).any():  # check_bounds names it
+            why = (check_bounds(self._table, d.local_region, d.local_offset, d.length)
+                   or "a piece lies outside this side's regions")
+            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS))
+        elif not self._read_one_sided(peer_id, request_id, batch_id, d, local.bases):
             self.granted_reads += 1
-            self._jobs.put(("read", (peer_id, request_id, batch_id, descriptors)))
+            self._jobs.put(("read", (peer_id, request_id, batch_id, d, local.bases)))
             self._wake()
         return batch_id
 
-    def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> bool:
+    def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
+                        local: np.ndarray) -> bool:
         """Copy on this thread if the producer's board allows it (module docstring); False: it
-        does not (ask for a grant). A copy that fails, or whose hold ended meanwhile, fails the batch."""
+        does not (ask for a grant). A copy that fails, or whose hold ended meanwhile, fails the
+        batch. ``local``: each piece's local region's address."""
         with self._direct_lock:
             peer = self._direct.get(peer_id)
             if peer is None or self._closed:
                 return False
-            pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
-            if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
+            remote = _pieces(peer.patterns, peer.ids, peer.sizes, peer.base, peer.strides, d.remote_region)
+            if remote is None or remote.strides is None:
                 return False  # the grant path refuses it, by name
-            stride = peer.strides[pos]
+            end = d.remote_offset + d.length
+            if (end > remote.sizes).any():
+                return False
             read_at = peer.peek
-            row = check_one_sided(read_at, peer.addr.board, request_id, d.remote_offset // stride,
-                                  (d.remote_offset + d.length - 1) // stride)
+            end -= 1
+            row = check_one_sided(read_at, peer.addr.board, request_id, d.remote_offset // remote.strides,
+                                  end // remote.strides)
             if row is None:
                 return False
             try:
-                self._copy(peer, d, pos)
+                self._copy(peer.addr.pid, d, local, remote.bases)
                 if not row_unchanged(read_at, peer.addr.board, row):
                     raise ReadRefused(ErrorCode.NOT_HELD, f"request {request_id}: the hold ended while it was read")
             except Exception as e:
@@ -363,9 +413,9 @@ class CmaDataPlane(HostRegionPlane):
             return True
         kind, arg = job
         if kind == "read":
-            peer_id, request_id, batch_id, d = arg
+            peer_id, request_id, batch_id, d, local = arg
             try:
-                self._request_grant(peer_id, request_id, batch_id, d)
+                self._request_grant(peer_id, request_id, batch_id, d, local)
             except Exception as e:  # any failure fails the batch, named; the thread goes on
                 if not isinstance(e, OSError | ReadRefused | ValueError):
                     report("cma reads", e, f"read for {request_id} from {peer_id}")
@@ -403,7 +453,8 @@ class CmaDataPlane(HostRegionPlane):
         self._finish(BatchResult.failed(batch_id, w.peer_id, w.request_id, code_of(e), f"peer {w.peer_id}: "
                                         f"{describe(e)}"))
 
-    def _request_grant(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
+    def _request_grant(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
+                       local: np.ndarray) -> None:
         peer = self._peers.get(peer_id)
         if peer is None:
             raise ConnectionError("not connected")
@@ -415,7 +466,7 @@ class CmaDataPlane(HostRegionPlane):
         req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
                           offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(), token=peer.token)
         peer.dealer.send(b"R" + encode(req))
-        self._waiting[batch_id] = _Awaited(peer_id, request_id, d, pos, time.monotonic() + self.timeout_s)
+        self._waiting[batch_id] = _Awaited(peer_id, request_id, d, local, pos, time.monotonic() + self.timeout_s)
 
     def _grants(self, wait_ms: int) -> None:
         """Copy for every grant that came (waiting up to ``wait_ms`` for the first); fail what
@@ -448,7 +499,7 @@ class CmaDataPlane(HostRegionPlane):
         try:
             if reply.error:
                 raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-            self._copy(peer, w.d, w.pos)
+            self._copy(peer.addr.pid, w.d, w.local, peer.base[w.pos])
         except Exception as e:
             if not isinstance(e, OSError | ReadRefused | ValueError):
                 report("cma reads", e, f"read for {w.request_id} from {peer_id}")
@@ -457,17 +508,17 @@ class CmaDataPlane(HostRegionPlane):
         else:
             self._finish(BatchResult(reply.batch_id, peer_id, w.request_id, w.d.nbytes, None))
 
-    def _copy(self, peer: _Peer, d: Descriptors, pos: np.ndarray) -> None:
-        ids, bases = self._local
-        local = np.empty((len(d), 2), dtype=np.uint64)
-        local[:, 0] = bases[np.searchsorted(ids, d.local_region)] + d.local_offset.astype(np.uint64)
-        local[:, 1] = d.length
-        remote = np.empty((len(d), 2), dtype=np.uint64)
-        remote[:, 0] = peer.base[pos] + d.remote_offset.astype(np.uint64)
-        remote[:, 1] = d.length
+    def _copy(self, pid: int, d: Descriptors, local: np.ndarray, remote: np.ndarray) -> None:
+        """Copy ``d``'s pieces from process ``pid``; ``local`` and ``remote``: each piece's region's
+        address on either side (addresses fit int64: user space is below 2**47)."""
+        iov = np.empty((2, len(d), 2), dtype=np.int64)  # [local, remote] x piece x (address, length)
+        np.add(local, d.local_offset, out=iov[0, :, 0])
+        np.add(remote, d.remote_offset, out=iov[1, :, 0])
+        iov[:, :, 1] = d.length
         # a short copy keeps the GIL: about 0.2 ms per 2 MiB, against a switch interval (5 ms)
         # to get it back from a busy thread (a spinning engine) once released
-        copy_from(peer.addr.pid, local, remote, keep_gil=d.nbytes <= KEEP_GIL_BYTES)
+        nbytes = d.nbytes
+        copy_from(pid, iov[0], iov[1], keep_gil=nbytes <= KEEP_GIL_BYTES, nbytes=nbytes)
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         super().register(regions)
@@ -477,10 +528,12 @@ class CmaDataPlane(HostRegionPlane):
         super().unregister(region_ids)
         self._local = self._local_table()
 
-    def _local_table(self) -> tuple[np.ndarray, np.ndarray]:
-        """This side's regions as sorted ids and their addresses (``read`` checked the bounds)."""
+    def _local_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[bytes, _Pieces]]:
+        """This side's regions as sorted ids, their lengths and addresses (int64), and the region
+        patterns looked up in them so far (one tuple, replaced whole on (un)registration)."""
         ids = np.array(sorted(self._regions), dtype=np.int64)
-        return ids, np.array([self._regions[int(i)].address for i in ids], dtype=np.uint64)
+        return (ids, np.array([self._regions[int(i)].length for i in ids], dtype=np.int64),
+                np.array([self._regions[int(i)].address for i in ids], dtype=np.int64), {})
 
     # ------------------------------------------------------------------ producer
     def _serve(self) -> None:

@@ -128,6 +128,7 @@ class Consumer(PushReceiver):
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
+        self._bytes_per_block = cache.spec.bytes_per_block  # the fast path's size test (a chain of properties)
         self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
         self.peers = PeerTable(engine_id, rank, layout, cache.spec, model, secret, client, plane, self.stats)
         self._in_flight: dict[int, Batch] = {}  # the plane's batch id -> the read
@@ -235,7 +236,7 @@ class Consumer(PushReceiver):
     def _begin_here(self, load: Load) -> bool:
         """The fast path (class doc): begin a small load on this thread if the worker is not in a
         turn and every producer rank it reads is known (no handshake here); False: queue it."""
-        if len(load.local_blocks_full) * self.cache.spec.bytes_per_block > self.inline_load_bytes:
+        if len(load.local_blocks_full) * self._bytes_per_block > self.inline_load_bytes:
             return False
         if not self._turn_lock.acquire(blocking=False):
             return False

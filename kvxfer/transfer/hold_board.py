@@ -73,7 +73,11 @@ class HoldBoard:
             self.full += 1
             return False
         row = first + int(free[0])
-        ids = np.unique(np.asarray(block_ids, dtype=np.int64))  # the board's own copy, sorted (readers search it)
+        # the board's own copy, sorted and unique (readers search it); not np.unique: its hashing
+        # releases the GIL (a hand-off to any waiting thread, under the hold registry's lock)
+        ids = np.sort(np.asarray(block_ids, dtype=np.int64))
+        if len(ids) > 1:
+            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
         self._rows[request_id] = (row, ids)
         r = self.table[row]
         r[0], r[2], r[3] = key, ids.ctypes.data, len(ids)
@@ -92,8 +96,17 @@ class HoldBoard:
 
 def find_row(window: np.ndarray, key: int) -> np.ndarray | None:
     """The published row for ``key`` among ``window`` ([WINDOW, ROW] int64 read from a board)."""
-    hit = np.flatnonzero((window[:, 0] == key) & (window[:, 1] != 0))
-    return window[int(hit[0])].copy() if len(hit) else None
+    i = _find(window, key)
+    return None if i is None else window[i].copy()
+
+
+def _find(window: np.ndarray, key: int) -> int | None:
+    """Where in ``window`` the published row for ``key`` is (a scan of WINDOW Python ints: cheaper
+    than the numpy calls that would do it), or None."""
+    for i, (k, ticket, _, _) in enumerate(window.tolist()):
+        if k == key and ticket != 0:
+            return i
+    return None
 
 
 def blocks_held(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
@@ -113,14 +126,22 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
     for ``request_id``, or None (not published, or some block not in the hold: ask for a grant).
 
     ``read_at(address, nbytes)`` reads the producer's memory (an OSError means None here);
-    ``board`` is the producer's (address, rows). After the copy, the caller reads the row again
+    ``board`` is the producer's (address, rows). The row comes back as ROW + 1 int64s: its
+    fields, then its index on the board. After the copy, the caller reads the row again
     (:func:`row_unchanged`): the copy stands only if it is."""
     if board[1] <= WINDOW:
         return None
     key = key_of(request_id)
     try:
-        row = find_row(_window(read_at, board, key), key)
-        if row is None or not 0 < row[3] <= 1 << 24:
+        first_row = key % (board[1] - WINDOW)
+        window = _rows(read_at, board, first_row, WINDOW)
+        i = _find(window, key)
+        if i is None:
+            return None
+        row = np.empty(ROW + 1, dtype=np.int64)
+        row[:ROW] = window[i]
+        row[ROW] = first_row + i
+        if not 0 < row[3] <= 1 << 24:
             return None
         held = read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
         return row if blocks_held(first, last, held) else None
@@ -129,18 +150,18 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
 
 
 def row_unchanged(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], row: np.ndarray) -> bool:
-    """After the copy: is the row that allowed it still the same (so the blocks stayed held)?"""
-    if board[1] <= WINDOW:
+    """After the copy: is the row that allowed it (from :func:`check_one_sided`) still the same,
+    so the blocks stayed held? Only its own index is read again: its ticket was never used
+    before, so the same fields can be nowhere else."""
+    if board[1] <= WINDOW or not 0 <= row[ROW] < board[1]:
         return False
     try:
-        window = _window(read_at, board, int(row[0]))
+        now = _rows(read_at, board, int(row[ROW]), 1)
     except OSError:
         return False
-    return bool((window == row).all(axis=1).any())
+    return now.tobytes() == row[:ROW].tobytes()
 
 
-def _window(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], key: int) -> np.ndarray:
-    """The WINDOW rows of a board that ``key`` may sit in, read from the producer."""
-    address, rows = board
-    first_row = key % (rows - WINDOW)
-    return read_at(address + first_row * ROW_BYTES, WINDOW * ROW_BYTES).view(np.int64).reshape(WINDOW, ROW)
+def _rows(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], first_row: int, n: int) -> np.ndarray:
+    """Rows ``first_row`` .. ``first_row + n - 1`` of a board, read from the producer."""
+    return read_at(board[0] + first_row * ROW_BYTES, n * ROW_BYTES).view(np.int64).reshape(n, ROW)

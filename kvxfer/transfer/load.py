@@ -211,16 +211,27 @@ def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids:
     """``start_load``'s checks (a ValueError names what is wrong): the local block ids the load
     writes, as many as the request's tokens need. Shared with the agent's engine side, which
     checks before it sends the load one-way."""
-    ids = np.asarray(local_block_ids, dtype=np.int64)
     L = block_size
     need = math.ceil(params.num_tokens / L)
-    if ids.ndim != 1 or len(ids) < need:
-        raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
-                         f"{L}, got {len(ids)}")
-    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise ValueError(f"request {request_id}: local block ids must be in [0, {num_blocks})")
-    if repeats(ids[:need]):
-        raise ValueError(f"request {request_id}: local block ids repeat")
+    small = _small_ids(local_block_ids)
+    if small is not None:  # the same checks on a short list of ints, in Python
+        if len(small) < need:
+            raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
+                             f"{L}, got {len(small)}")
+        if small and (min(small) < 0 or max(small) >= num_blocks):
+            raise ValueError(f"request {request_id}: local block ids must be in [0, {num_blocks})")
+        if len(set(small[:need])) != need:
+            raise ValueError(f"request {request_id}: local block ids repeat")
+        ids = np.array(small[:need], dtype=np.int64)
+    else:
+        ids = np.asarray(local_block_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) < need:
+            raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
+                             f"{L}, got {len(ids)}")
+        if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+            raise ValueError(f"request {request_id}: local block ids must be in [0, {num_blocks})")
+        if repeats(ids[:need]):
+            raise ValueError(f"request {request_id}: local block ids repeat")
     if not 0 <= num_cached_tokens <= params.num_tokens:
         raise ValueError(f"request {request_id}: num_cached_tokens must be in [0, {params.num_tokens}]")
     check_alignment(num_cached_tokens, params.block_size, L)
@@ -229,3 +240,18 @@ def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids:
         raise ValueError(f"request {request_id}: params carry {len(params.block_ids)} remote blocks for "
                          f"{params.num_tokens} tokens of {params.block_size}")
     return ids[:need]
+
+
+SMALL_IDS = 64  # block id lists up to this long are checked in Python (a few numpy calls cost more)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _small_ids(block_ids: Sequence[int] | np.ndarray) -> list[int] | None:
+    """``block_ids`` when it is a short list of Python ints within int64 (what the engine and its
+    agent pass), else None (numpy checks it; a value outside int64 fails there as before)."""
+    if type(block_ids) is not list or len(block_ids) > SMALL_IDS:
+        return None
+    for b in block_ids:
+        if type(b) is not int or not -_INT64_MAX - 1 <= b <= _INT64_MAX:
+            return None
+    return block_ids

@@ -181,6 +181,10 @@ class DirectPlan:
     remote_region: np.ndarray  # [pairs * units]
     local_region: np.ndarray  # [pairs * units]
     length: np.ndarray  # [pairs * units]
+    # whether some neighbours share both regions (only those may coalesce, by their block ids):
+    # False for a 1-block load of a cache with a region per layer and K/V, whose pieces then go
+    # out as they are, with no coalescing pass (about half of a 1-block plan's numpy calls)
+    mergeable: bool = True
 
     @classmethod
     def build(cls, remote: SideLayout, local: SideLayout, sl: SourceSlice, skip_tokens: int,
@@ -238,15 +242,21 @@ class DirectPlan:
         r_loc = remote.locations(sl.layers)  # [pairs, 3]: region, inner, stride
         l_loc = local.locations(sl.layers)
         n = len(r_loc), len(p)
+        rr = np.broadcast_to(r_loc[:, :1], n).ravel()
+        lr = np.broadcast_to(l_loc[:, :1], n).ravel()
+        ln = np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel()
+        mergeable = bool(((rr[1:] == rr[:-1]) & (lr[1:] == lr[:-1])).any())
+        for a in (rr, lr, ln):  # handed out as they are when nothing can merge: never written
+            a.flags.writeable = False
         return cls(p // R, p // L, r_loc[:, 2:3], l_loc[:, 2:3], r_loc[:, 1:2] + r_in[None, :],
-                   l_loc[:, 1:2] + l_in[None, :], np.broadcast_to(r_loc[:, :1], n).ravel(),
-                   np.broadcast_to(l_loc[:, :1], n).ravel(),
-                   np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel())
+                   l_loc[:, 1:2] + l_in[None, :], rr, lr, ln, mergeable)
 
     def descriptors(self, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> Descriptors:
         """The plan for these block ids (int64; as many as the token range covers), coalesced."""
         ro = remote_blocks[self.remote_unit][None, :] * self.remote_stride + self.remote_inner
         lo = local_blocks[self.local_unit][None, :] * self.local_stride + self.local_inner
+        if not self.mergeable:  # no two neighbours share their regions: coalescing would change nothing
+            return Descriptors(self.remote_region, ro.ravel(), self.local_region, lo.ravel(), self.length)
         return coalesce(self.remote_region, ro.ravel(), self.local_region, lo.ravel(), self.length)
 
 
