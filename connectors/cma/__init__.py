@@ -84,6 +84,7 @@ _peekv.restype = ctypes.c_ssize_t
 PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) keep the GIL
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
+MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
 
 
 class _Iovec(ctypes.Structure):
@@ -154,9 +155,10 @@ def _pieces(cache: dict[bytes, _Pieces], ids: np.ndarray, sizes: np.ndarray, bas
         for a in (hit.sizes, hit.bases, hit.strides):
             if a is not None:
                 a.flags.writeable = False
-        if len(cache) >= MAX_PATTERNS:
-            cache.clear()
-        cache[key] = hit
+        if len(regions) <= MAX_KEPT_PIECES:  # a large load's tables would cost MBs each, for little gain
+            if len(cache) >= MAX_PATTERNS:
+                cache.clear()
+            cache[key] = hit
     return hit
 
 

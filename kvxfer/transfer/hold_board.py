@@ -94,12 +94,6 @@ class HoldBoard:
         return len(self._rows)
 
 
-def find_row(window: np.ndarray, key: int) -> np.ndarray | None:
-    """The published row for ``key`` among ``window`` ([WINDOW, ROW] int64 read from a board)."""
-    i = _find(window, key)
-    return None if i is None else window[i].copy()
-
-
 def _find(window: np.ndarray, key: int) -> int | None:
     """Where in ``window`` the published row for ``key`` is (a scan of WINDOW Python ints: cheaper
     than the numpy calls that would do it), or None."""

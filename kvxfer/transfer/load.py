@@ -213,7 +213,7 @@ def checked_load_ids(request_id: str, params: KVTransferParams, local_block_ids:
     checks before it sends the load one-way."""
     L = block_size
     need = math.ceil(params.num_tokens / L)
-    small = _small_ids(local_block_ids)
+    small = _small_ids(local_block_ids) if need >= 0 else None  # need < 0: the numpy path names num_tokens
     if small is not None:  # the same checks on a short list of ints, in Python
         if len(small) < need:
             raise ValueError(f"request {request_id}: {params.num_tokens} tokens need {need} local blocks of "
