@@ -96,8 +96,17 @@ def map_cache(spec: KVCacheSpec, num_blocks: int, tensors: list[SharedTensor]) -
     cache = KVCache(spec=spec, num_blocks=num_blocks, tensors=views, names=[])
     cache._buffers = buffers
     if buffers:
-        threading.Thread(target=populate, args=(buffers,), name="kvxfer-populate", daemon=True).start()
+        threading.Thread(target=_populate_or_report, args=(buffers,), name="kvxfer-populate", daemon=True).start()
     return cache
+
+
+def _populate_or_report(buffers: list[mmap.mmap]) -> None:
+    """The populating thread: any failure is logged once; pages then fault in on first use, as before."""
+    try:
+        populate(buffers)
+    except Exception as e:
+        logger.warning("the transfer agent's cache mapping is not prefaulted (%s: %s); its pages fault in on "
+                       "first use", type(e).__name__, e)
 
 
 def populate(buffers: list[mmap.mmap]) -> int:

@@ -90,8 +90,9 @@ class BusyDecode:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S  # one limit for all: each ends its current request
         for t in self._threads:
-            t.join(timeout=REQUEST_TIMEOUT_S)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _loop(self, seed: int) -> None:
         rng = random.Random(seed)
