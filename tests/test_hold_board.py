@@ -7,6 +7,7 @@ process, the producer's holds kept by a real HoldRegistry.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from kvxfer.connectors.cma import CmaDataPlane, copy_from
+from kvxfer.connectors.cma.copier import cut
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import BatchResult, Descriptors
@@ -284,4 +286,163 @@ def test_a_small_cma_load_from_a_known_producer_is_done_when_start_load_returns(
             assert here == 0 and done_at_once == 0, began_on
     finally:
         c.close()
+        p.close()
+
+
+# ---------------------------------------------------------------- copy threads (connectors/cma/copier.py)
+def test_cut_gives_parts_of_about_equal_bytes_covering_every_piece_once() -> None:
+    lengths = np.array([4, 4, 4, 4, 4, 4, 4, 4], np.int64)
+    assert cut(lengths, 2) == [(0, 4), (4, 8)]
+    assert cut(lengths, 1) == [(0, 8)]
+    assert cut(lengths[:1], 4) == [(0, 1)]  # never more parts than pieces, none empty
+    uneven = np.array([100, 1, 1, 1, 1, 100], np.int64)
+    parts = cut(uneven, 3)
+    assert parts[0][0] == 0 and parts[-1][1] == 6 and all(a < b for a, b in parts)
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(parts))  # contiguous, no gap or overlap
+    assert len(parts) <= 3
+
+
+class Gate:
+    """A copy function that waits for the test before copying (the pool's collaborator)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[str] = []
+
+    def __call__(self, pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        assert self.go.wait(10), "the test never let the copy go"
+        copy_from(pid, local, remote, nbytes=nbytes)
+
+
+def pool_pair(monkeypatch: pytest.MonkeyPatch, gate: Gate | None, threads: int = 2) -> Pair:
+    """A Pair whose consumer copies every one-sided read on its copy threads (inline_copy_bytes 0)."""
+    import kvxfer.connectors.cma as cma
+
+    if gate is not None:
+        monkeypatch.setattr(cma, "_copy_part", gate)
+    p = Pair.__new__(Pair)
+    p.src = np.random.default_rng(1).integers(0, 255, NB * STRIDE, dtype=np.uint8)
+    p.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
+    p.producer = CmaDataPlane()
+    p.consumer = CmaDataPlane({"copy_threads": threads, "inline_copy_bytes": 0})
+    p.producer.register([region(0, p.src)])
+    p.consumer.register([region(0, p.dst)])
+    p.holds = registry([0.0])
+    p.holds.on_change = p.producer.hold_changed
+    p.producer.set_read_validator(p.holds.validate)
+    p.consumer.connect("p", p.producer.address())
+    return p
+
+
+def test_a_read_larger_than_inline_copy_bytes_is_copied_bit_exact_on_the_copy_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    gate.go.set()
+    p = pool_pair(monkeypatch, gate)
+    try:
+        p.holds.hold("r", list(range(NB)), NB * 16)
+        remote, local = list(range(NB))[::-1], list(range(NB))
+        res = p.read("r", remote, local)
+        assert res.ok and res.nbytes == NB * STRIDE and p.arrived(remote, local)
+        assert gate.threads and all(t.startswith("kvxfer-cma-copy") for t in gate.threads)
+        assert (p.consumer.one_sided_reads, p.consumer.granted_reads) == (1, 0)
+    finally:
+        p.close()
+
+
+def test_a_large_read_is_cut_into_one_part_per_copy_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.connectors.cma as cma
+
+    monkeypatch.setattr(cma, "MIN_PART_BYTES", STRIDE)
+    gate = Gate()
+    gate.go.set()
+    p = pool_pair(monkeypatch, gate, threads=3)
+    try:
+        p.holds.hold("r", list(range(12)), 12 * 16)
+        res = p.read("r", list(range(12)), list(range(12, 24)))
+        assert res.ok and p.arrived(list(range(12)), list(range(12, 24)))
+        assert len(gate.threads) == 3  # three parts of 4 blocks each
+    finally:
+        p.close()
+
+
+def test_a_hold_released_while_the_copy_threads_copy_fails_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    p = pool_pair(monkeypatch, gate)
+    try:
+        p.holds.hold("r", [3, 4], 32)
+        one = np.ones(2, np.int64)
+        batch = p.consumer.read("p", "r", Descriptors(0 * one, np.array([3, 4]) * STRIDE, 0 * one,
+                                                      np.array([8, 9]) * STRIDE, STRIDE * one))
+        assert gate.started.wait(10) and p.consumer.poll() == []  # the read returned; its copy waits
+        assert p.holds.release("r")
+        gate.go.set()
+        deadline = time.monotonic() + 10
+        while not (results := p.consumer.poll()):
+            assert time.monotonic() < deadline, "no result"
+            time.sleep(0.001)
+        assert [r.batch_id for r in results] == [batch]
+        assert not results[0].ok and results[0].code is ErrorCode.NOT_HELD
+    finally:
+        gate.go.set()
+        p.close()
+
+
+def test_disconnect_waits_for_a_copy_in_progress_and_skips_the_queued_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    p = pool_pair(monkeypatch, gate, threads=1)
+    try:
+        p.holds.hold("a", [1], 16)
+        p.holds.hold("b", [2], 16)
+        one = np.ones(1, np.int64)
+
+        def desc(remote: int, local: int) -> Descriptors:
+            return Descriptors(0 * one, remote * STRIDE * one, 0 * one, local * STRIDE * one, STRIDE * one)
+
+        p.consumer.read("p", "a", desc(1, 10))
+        p.consumer.read("p", "b", desc(2, 11))  # queued behind a: one copy thread
+        assert gate.started.wait(10)
+        returned = threading.Event()
+        t = threading.Thread(target=lambda: (p.consumer.disconnect("p"), returned.set()))
+        t.start()
+        assert not returned.wait(0.3), "disconnect returned while a copy from the peer was in progress"
+        gate.go.set()
+        assert returned.wait(10)
+        t.join(10)
+        results = {r.request_id: r for r in p.consumer.poll()}
+        assert results["a"].ok and p.arrived([1], [10])  # begun before the disconnect: finished
+        assert not results["b"].ok and "disconnected" in (results["b"].error or "")
+        assert not p.dst[11 * STRIDE:12 * STRIDE].any(), "a read queued at the disconnect copied"
+        assert len(gate.threads) == 1
+    finally:
+        gate.go.set()
+        p.close()
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"copy_threads": "2"}, "copy_threads: expected an integer from 0 to 64"),
+    ({"copy_threads": -1}, "copy_threads: expected an integer from 0 to 64"),
+    ({"copy_threads": True}, "copy_threads: expected an integer from 0 to 64"),
+    ({"inline_copy_bytes": -5}, "inline_copy_bytes: expected an integer >= 0"),
+    ({"inline_copy_bytes": 1.5}, "inline_copy_bytes: expected an integer >= 0"),
+])
+def test_copy_options_are_checked_by_name(options: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        CmaDataPlane(options)  # type: ignore[arg-type]
+
+
+def test_copy_threads_zero_copies_on_the_reading_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = pool_pair(monkeypatch, None, threads=0)
+    try:
+        p.holds.hold("r", [5, 6], 32)
+        one = np.ones(2, np.int64)
+        p.consumer.read("p", "r", Descriptors(0 * one, np.array([5, 6]) * STRIDE, 0 * one,
+                                              np.array([1, 2]) * STRIDE, STRIDE * one))
+        results = p.consumer.poll()  # copied inside read()
+        assert len(results) == 1 and results[0].ok and p.arrived([5, 6], [1, 2])
+        assert p.consumer._pool is None
+    finally:
         p.close()

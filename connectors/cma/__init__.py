@@ -24,9 +24,15 @@ host, another pid namespace, ptrace denied): use ``tcp`` or ``ucx`` there.
 A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
 
+A one-sided read of more than ``inline_copy_bytes`` is copied by the plane's copy threads
+(:mod:`.copier`): the reading thread goes on to the next load, and a large read is cut into
+parts copied at once.
+
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
-holds on the board; false: every read of this producer asks for a grant).
+holds on the board; false: every read of this producer asks for a grant), ``copy_threads``
+(default 2; 0: every copy on the reading thread), ``inline_copy_bytes`` (default 2 MiB: reads up
+to this size copy on the reading thread, which costs no thread hand-off).
 """
 
 from __future__ import annotations
@@ -63,9 +69,11 @@ from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_d
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
+from .copier import CopyJob, CopyPool, PeerCopies, cut
+
 logger = logging.getLogger(__name__)
 
-OPTIONS = {"timeout_s", "host", "one_sided"}
+OPTIONS = {"timeout_s", "host", "one_sided", "copy_threads", "inline_copy_bytes"}
 MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
 GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
@@ -85,6 +93,9 @@ PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) kee
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
+COPY_THREADS = 2  # default copy_threads: one-sided reads larger than inline_copy_bytes copy on these
+INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a 2 MiB block copies on the reading thread (no hand-off)
+MIN_PART_BYTES = 2 << 20  # a read is cut into parts of at least this many bytes, one per copy thread
 
 
 class _Iovec(ctypes.Structure):
@@ -173,6 +184,7 @@ class _Peer:
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
     peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
     patterns: dict[bytes, _Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
+    copies: PeerCopies = field(default_factory=PeerCopies)  # its one-sided reads on the copy threads
 
 
 @dataclass
@@ -214,6 +226,20 @@ def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = 
             raise OSError(f"process_vm_readv from pid {pid}: short copy, {got} of {want} bytes")
 
 
+def _iovecs(d: Descriptors, local: np.ndarray, remote: np.ndarray) -> np.ndarray:
+    """[local, remote] x piece x (address, length) of ``d``'s pieces; ``local``/``remote``: each
+    piece's region's address on either side."""
+    iov = np.empty((2, len(d), 2), dtype=np.int64)
+    np.add(local, d.local_offset, out=iov[0, :, 0])
+    np.add(remote, d.remote_offset, out=iov[1, :, 0])
+    iov[:, :, 1] = d.length
+    return iov
+
+
+def _copy_part(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+    copy_from(pid, local, remote, nbytes=nbytes)
+
+
 class CmaDataPlane(HostRegionPlane):
     """Grant over ZMQ, then a one-sided copy with process_vm_readv; see the module docstring."""
 
@@ -228,6 +254,14 @@ class CmaDataPlane(HostRegionPlane):
         one_sided = self.options.get("one_sided", True)
         if not isinstance(one_sided, bool):
             raise ValueError(f"connector.data_plane.one_sided: expected true or false, got {one_sided!r}")
+        threads = self.options.get("copy_threads", COPY_THREADS)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 64:
+            raise ValueError(f"connector.data_plane.copy_threads: expected an integer from 0 to 64, got {threads!r}")
+        inline = self.options.get("inline_copy_bytes", INLINE_COPY_BYTES)
+        if isinstance(inline, bool) or not isinstance(inline, int) or inline < 0:
+            raise ValueError(f"connector.data_plane.inline_copy_bytes: expected an integer >= 0, got {inline!r}")
+        self.copy_threads: int = threads
+        self.inline_copy_bytes: int = inline
         self.engine_id = "kvxfer"
         self._board = HoldBoard() if one_sided else None  # producer side: the holds consumers check themselves
         self._peers: dict[str, _Peer] = {}
@@ -256,6 +290,8 @@ class CmaDataPlane(HostRegionPlane):
         self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
         self._serve_thread.start()
         self._read_thread.start()
+        # reads larger than inline_copy_bytes copy here (copier.py); 0 threads: on the reading thread
+        self._pool = CopyPool(self.copy_threads, _copy_part) if self.copy_threads else None
 
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:
@@ -301,9 +337,12 @@ class CmaDataPlane(HostRegionPlane):
                      np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
         with self._direct_lock:
             if addr.board[1] > WINDOW and (peer.strides > 0).all():
+                old = self._direct.get(peer_id)
                 self._direct[peer_id] = peer
             else:
-                self._direct.pop(peer_id, None)
+                old = self._direct.pop(peer_id, None)
+        if old is not None:
+            old.copies.stop(DISCONNECT_WAIT_S)
         self._jobs.put(("connect", (peer_id, peer)))
         self._wake()
 
@@ -312,7 +351,9 @@ class CmaDataPlane(HostRegionPlane):
         finishes first; the read thread drops it), so a failed load's blocks are not written once
         reported."""
         with self._direct_lock:
-            self._direct.pop(peer_id, None)
+            peer = self._direct.pop(peer_id, None)
+        if peer is not None and not peer.copies.stop(DISCONNECT_WAIT_S):
+            logger.warning("cma: a copy from peer %s still runs %g s after its disconnect", peer_id, DISCONNECT_WAIT_S)
         dropped = threading.Event()
         self._jobs.put(("disconnect", (peer_id, dropped)))
         self._wake()
@@ -358,6 +399,10 @@ class CmaDataPlane(HostRegionPlane):
                                   end // remote.strides)
             if row is None:
                 return False
+            self.one_sided_reads += 1
+            if self._pool is not None and d.nbytes > self.inline_copy_bytes:
+                self._copy_later(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
+                return True
             try:
                 self._copy(peer.addr.pid, d, local, remote.bases)
                 if not row_unchanged(read_at, peer.addr.board, row):
@@ -368,9 +413,36 @@ class CmaDataPlane(HostRegionPlane):
                 result = BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
             else:
                 result = BatchResult(batch_id, peer_id, request_id, d.nbytes, None)
-            self.one_sided_reads += 1
         self._finish(result)
         return True
+
+    def _copy_later(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
+                    local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> None:
+        """A one-sided read the board allowed, copied by the pool (cut in parts, one per copy
+        thread); its last part reads the row again and reports the batch. Caller holds _direct_lock."""
+        iov = _iovecs(d, local, remote)
+        bounds = cut(d.length, min(self.copy_threads, max(1, d.nbytes // MIN_PART_BYTES)))
+        sizes = np.array([int(d.length[a:b].sum()) for a, b in bounds], dtype=np.int64)
+
+        def copied(error: BaseException | None) -> None:
+            if error is None:
+                with self._direct_lock:  # the peer's Peeker is used under it
+                    if not row_unchanged(peer.peek, peer.addr.board, row):
+                        error = ReadRefused(ErrorCode.NOT_HELD,
+                                            f"request {request_id}: the hold ended while it was read")
+            if error is None:
+                self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
+                return
+            if not isinstance(error, OSError | ReadRefused | ValueError):
+                report("cma reads", error, f"one-sided read for {request_id} from {peer_id}")
+            self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(error), f"peer {peer_id}: "
+                                            f"{describe(error)}"))
+
+        assert self._pool is not None
+        try:
+            self._pool.submit(CopyJob(peer.addr.pid, iov[0], iov[1], sizes, bounds, peer.copies, copied))
+        except ConnectionError as e:
+            copied(e)
 
     def _wake(self) -> None:
         try:
@@ -513,10 +585,7 @@ class CmaDataPlane(HostRegionPlane):
     def _copy(self, pid: int, d: Descriptors, local: np.ndarray, remote: np.ndarray) -> None:
         """Copy ``d``'s pieces from process ``pid``; ``local`` and ``remote``: each piece's region's
         address on either side (addresses fit int64: user space is below 2**47)."""
-        iov = np.empty((2, len(d), 2), dtype=np.int64)  # [local, remote] x piece x (address, length)
-        np.add(local, d.local_offset, out=iov[0, :, 0])
-        np.add(remote, d.remote_offset, out=iov[1, :, 0])
-        iov[:, :, 1] = d.length
+        iov = _iovecs(d, local, remote)
         # a short copy keeps the GIL: about 0.2 ms per 2 MiB, against a switch interval (5 ms)
         # to get it back from a busy thread (a spinning engine) once released
         nbytes = d.nbytes
@@ -590,6 +659,8 @@ class CmaDataPlane(HostRegionPlane):
             return "the plane is closed"
         if not self._read_thread.is_alive():
             return "its read thread stopped"
+        if self._pool is not None and not self._pool.alive():
+            return "a copy thread stopped"
         return None
 
     def close(self) -> None:
@@ -602,6 +673,8 @@ class CmaDataPlane(HostRegionPlane):
         self._wake()
         self._read_thread.join(timeout=5)
         self._serve_thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.close()
         if not self._read_thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)
