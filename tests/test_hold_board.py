@@ -446,3 +446,100 @@ def test_copy_threads_zero_copies_on_the_reading_thread(monkeypatch: pytest.Monk
         assert p.consumer._pool is None
     finally:
         p.close()
+
+
+def test_a_failing_recheck_on_a_copy_thread_fails_the_read_instead_of_losing_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.connectors.cma as cma
+
+    def broken(*args: object) -> bool:
+        raise RuntimeError("a bug in the recheck")
+
+    p = pool_pair(monkeypatch, None)
+    monkeypatch.setattr(cma, "row_unchanged", broken)
+    try:
+        p.holds.hold("r", [1, 2], 32)
+        res = p.read("r", [1, 2], [3, 4])
+        assert not res.ok and res.code is ErrorCode.INTERNAL and "a bug in the recheck" in (res.error or "")
+    finally:
+        p.close()
+
+
+def test_a_part_that_fails_fails_its_read_once_after_every_part_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.connectors.cma as cma
+
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def second_fails(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+        with lock:
+            calls.append(nbytes)
+            n = len(calls)
+        if n == 2:
+            raise OSError("process_vm_readv: injected")
+        copy_from(pid, local, remote, nbytes=nbytes)
+
+    monkeypatch.setattr(cma, "MIN_PART_BYTES", STRIDE)
+    p = pool_pair(monkeypatch, None, threads=2)
+    monkeypatch.setattr(p.consumer._pool, "_copy", second_fails)
+    try:
+        p.holds.hold("r", [1, 2, 3, 4], 64)
+        res = p.read("r", [1, 2, 3, 4], [5, 6, 7, 8])
+        assert not res.ok and "injected" in (res.error or "")
+        time.sleep(0.2)
+        assert p.consumer.poll() == [], "a read with two parts was reported twice"
+        assert len(calls) == 2
+    finally:
+        p.close()
+
+
+def test_close_fails_the_copies_still_queued_without_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    p = pool_pair(monkeypatch, gate, threads=1)
+    try:
+        p.holds.hold("a", [1], 16)
+        p.holds.hold("b", [2], 16)
+        one = np.ones(1, np.int64)
+        for rid, remote, local in (("a", 1, 10), ("b", 2, 11)):
+            p.consumer.read("p", rid, Descriptors(0 * one, remote * STRIDE * one, 0 * one, local * STRIDE * one,
+                                                  STRIDE * one))
+        assert gate.started.wait(10)
+        closer = threading.Thread(target=p.consumer.close)
+        closer.start()
+        time.sleep(0.2)
+        gate.go.set()
+        closer.join(15)
+        assert not closer.is_alive()
+        results = {r.request_id: r for r in p.consumer.poll()}
+        assert results["a"].ok and p.arrived([1], [10])  # begun before the close: finished
+        assert not results["b"].ok and "closed" in (results["b"].error or "")
+        assert not p.dst[11 * STRIDE:12 * STRIDE].any()
+    finally:
+        gate.go.set()
+        p.producer.close()
+
+
+@pytest.mark.parametrize("data_path", ["engine", "agent"])
+def test_loads_copied_on_the_copy_threads_arrive_bit_exact_through_the_connector(data_path: str) -> None:
+    """Every read on the copy threads (inline_copy_bytes 0), so each load finishes after
+    start_load returned, on another thread: through the consumer's worker (and, with an agent,
+    its event thread) to poll."""
+    from test_agent import cfg, make, wait_for
+
+    dcfg = cfg("decode", "cma", data_path=data_path)
+    dcfg = msgspec.structs.replace(dcfg, connector=msgspec.structs.replace(
+        dcfg.connector, data_plane={"inline_copy_bytes": 0, "copy_threads": 2}))
+    p, pt = make(cfg("prefill", "cma", data_path=data_path), fill=3)
+    c, ct = make(dcfg)
+    try:
+        for i in range(6):
+            src, dst = [1 + i, 30 - i, 12 + i], [40 + i, 20 + i, 50 + i]
+            params = p.hold(f"r{i}", src, 48)
+            c.start_load(f"r{i}", params, dst)
+            out = wait_for(c, f"r{i}")
+            assert f"r{i}" in out.receiving, out.errors
+            for a, b in zip(pt, ct, strict=True):
+                assert torch.equal(a[src].view(torch.uint8), b[dst].view(torch.uint8))
+    finally:
+        c.close()
+        p.close()

@@ -380,9 +380,10 @@ class CmaDataPlane(HostRegionPlane):
 
     def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
                         local: np.ndarray) -> bool:
-        """Copy on this thread if the producer's board allows it (module docstring); False: it
-        does not (ask for a grant). A copy that fails, or whose hold ended meanwhile, fails the
-        batch. ``local``: each piece's local region's address."""
+        """Copy if the producer's board allows it (module docstring): on this thread, or, above
+        ``inline_copy_bytes``, on the copy threads; False: it does not (ask for a grant). A copy
+        that fails, or whose hold ended meanwhile, fails the batch. ``local``: each piece's local
+        region's address."""
         with self._direct_lock:
             peer = self._direct.get(peer_id)
             if peer is None or self._closed:
@@ -399,50 +400,68 @@ class CmaDataPlane(HostRegionPlane):
                                   end // remote.strides)
             if row is None:
                 return False
-            self.one_sided_reads += 1
             if self._pool is not None and d.nbytes > self.inline_copy_bytes:
-                self._copy_later(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
-                return True
-            try:
-                self._copy(peer.addr.pid, d, local, remote.bases)
-                if not row_unchanged(read_at, peer.addr.board, row):
-                    raise ReadRefused(ErrorCode.NOT_HELD, f"request {request_id}: the hold ended while it was read")
-            except Exception as e:
-                if not isinstance(e, OSError | ReadRefused | ValueError):
-                    report("cma reads", e, f"one-sided read for {request_id} from {peer_id}")
-                result = BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
+                failed = self._copy_later(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
+                if failed is None:
+                    self.one_sided_reads += 1
+                    return True
+                result = failed
             else:
-                result = BatchResult(batch_id, peer_id, request_id, d.nbytes, None)
-        self._finish(result)
+                self.one_sided_reads += 1
+                result = self._copy_here(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
+        self._finish(result)  # not under _direct_lock: a completion callback may call back into the plane
         return True
 
+    def _copy_here(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
+                   local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> BatchResult:
+        """A one-sided read the board allowed, copied on this thread. Caller holds _direct_lock."""
+        try:
+            self._copy(peer.addr.pid, d, local, remote)
+        except Exception as e:
+            return self._read_failed(peer_id, request_id, batch_id, e)
+        return self._rechecked(peer_id, peer, request_id, batch_id, d, row)
+
+    def _rechecked(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
+                   row: np.ndarray) -> BatchResult:
+        """After the copy: the batch's result, which stands only if the board row is unchanged.
+        Caller holds _direct_lock (the peer's Peeker is used under it)."""
+        try:
+            if not row_unchanged(peer.peek, peer.addr.board, row):
+                raise ReadRefused(ErrorCode.NOT_HELD, f"request {request_id}: the hold ended while it was read")
+        except Exception as e:
+            return self._read_failed(peer_id, request_id, batch_id, e)
+        return BatchResult(batch_id, peer_id, request_id, d.nbytes, None)
+
+    @staticmethod
+    def _read_failed(peer_id: str, request_id: str, batch_id: int, e: BaseException) -> BatchResult:
+        if not isinstance(e, OSError | ReadRefused | ValueError):
+            report("cma reads", e, f"one-sided read for {request_id} from {peer_id}")
+        return BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
+
     def _copy_later(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
-                    local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> None:
-        """A one-sided read the board allowed, copied by the pool (cut in parts, one per copy
-        thread); its last part reads the row again and reports the batch. Caller holds _direct_lock."""
+                    local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> BatchResult | None:
+        """A one-sided read the board allowed, queued on the copy threads (cut in parts, one per
+        thread); its last part reads the row again and reports the batch. None: queued; else the
+        failed result to report (the pool is closed, or the peer disconnected). Caller holds
+        _direct_lock."""
         iov = _iovecs(d, local, remote)
         bounds = cut(d.length, min(self.copy_threads, max(1, d.nbytes // MIN_PART_BYTES)))
         sizes = np.array([int(d.length[a:b].sum()) for a, b in bounds], dtype=np.int64)
 
-        def copied(error: BaseException | None) -> None:
-            if error is None:
-                with self._direct_lock:  # the peer's Peeker is used under it
-                    if not row_unchanged(peer.peek, peer.addr.board, row):
-                        error = ReadRefused(ErrorCode.NOT_HELD,
-                                            f"request {request_id}: the hold ended while it was read")
-            if error is None:
-                self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
-                return
-            if not isinstance(error, OSError | ReadRefused | ValueError):
-                report("cma reads", error, f"one-sided read for {request_id} from {peer_id}")
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(error), f"peer {peer_id}: "
-                                            f"{describe(error)}"))
+        def copied(error: BaseException | None) -> None:  # on the copy thread of the last part
+            if error is not None:
+                result = self._read_failed(peer_id, request_id, batch_id, error)
+            else:
+                with self._direct_lock:
+                    result = self._rechecked(peer_id, peer, request_id, batch_id, d, row)
+            self._finish(result)
 
         assert self._pool is not None
         try:
             self._pool.submit(CopyJob(peer.addr.pid, iov[0], iov[1], sizes, bounds, peer.copies, copied))
         except ConnectionError as e:
-            copied(e)
+            return self._read_failed(peer_id, request_id, batch_id, e)
+        return None
 
     def _wake(self) -> None:
         try:
