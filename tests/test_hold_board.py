@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import threading
 import time
 
@@ -303,22 +304,25 @@ def test_cut_gives_parts_of_about_equal_bytes_covering_every_piece_once() -> Non
 
 
 class Gate:
-    """A copy function that waits for the test before copying (the pool's collaborator)."""
+    """A copy function that waits for the test before copying (the helpers' collaborator)."""
 
-    def __init__(self) -> None:
+    def __init__(self, open_: bool = False) -> None:
         self.go = threading.Event()
+        if open_:
+            self.go.set()
         self.started = threading.Event()
-        self.threads: list[str] = []
+        self.calls: list[tuple[str, int]] = []  # (thread, bytes) of each part
 
     def __call__(self, pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
-        self.threads.append(threading.current_thread().name)
+        self.calls.append((threading.current_thread().name, nbytes))
         self.started.set()
         assert self.go.wait(10), "the test never let the copy go"
         copy_from(pid, local, remote, nbytes=nbytes)
 
 
-def pool_pair(monkeypatch: pytest.MonkeyPatch, gate: Gate | None, threads: int = 2) -> Pair:
-    """A Pair whose consumer copies every one-sided read on its copy threads (inline_copy_bytes 0)."""
+def helper_pair(monkeypatch: pytest.MonkeyPatch, gate: Gate | None, threads: int = 1) -> Pair:
+    """A Pair whose consumer cuts every copy into one part per copying thread (inline_copy_bytes
+    0), with ``threads`` copy helpers beside the reading thread."""
     import kvxfer.connectors.cma as cma
 
     if gate is not None:
@@ -337,73 +341,64 @@ def pool_pair(monkeypatch: pytest.MonkeyPatch, gate: Gate | None, threads: int =
     return p
 
 
-def test_a_read_larger_than_inline_copy_bytes_is_copied_bit_exact_on_the_copy_threads(
+def test_a_copy_larger_than_inline_copy_bytes_is_cut_into_parts_and_arrives_bit_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = Gate()
-    gate.go.set()
-    p = pool_pair(monkeypatch, gate)
+    gate = Gate(open_=True)
+    p = helper_pair(monkeypatch, gate, threads=2)
     try:
-        p.holds.hold("r", list(range(NB)), NB * 16)
-        remote, local = list(range(NB))[::-1], list(range(NB))
-        res = p.read("r", remote, local)
-        assert res.ok and res.nbytes == NB * STRIDE and p.arrived(remote, local)
-        assert gate.threads and all(t.startswith("kvxfer-cma-copy") for t in gate.threads)
+        p.holds.hold("r", list(range(12)), 12 * 16)
+        remote, local = list(range(12))[::-1], list(range(12, 24))
+        res = p.read("r", remote, local)  # done when read() returns: one-sided, on this thread
+        assert res.ok and res.nbytes == 12 * STRIDE and p.arrived(remote, local)
+        assert sorted(n for _, n in gate.calls) == [4 * STRIDE] * 3  # three parts: this thread and two helpers
         assert (p.consumer.one_sided_reads, p.consumer.granted_reads) == (1, 0)
     finally:
         p.close()
 
 
-def test_a_large_read_is_cut_into_one_part_per_copy_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvxfer.connectors.cma as cma
-
-    monkeypatch.setattr(cma, "MIN_PART_BYTES", STRIDE)
-    gate = Gate()
-    gate.go.set()
-    p = pool_pair(monkeypatch, gate, threads=3)
+def test_a_read_whose_helpers_never_come_is_copied_whole_by_the_reading_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helpers without a core (a busy machine) take nothing: the reading thread takes every part."""
+    gate = Gate(open_=True)
+    p = helper_pair(monkeypatch, gate, threads=2)
+    helpers = p.consumer._helpers
+    assert helpers is not None
+    monkeypatch.setattr(helpers, "_offers", queue.SimpleQueue())  # offers nobody takes
     try:
-        p.holds.hold("r", list(range(12)), 12 * 16)
-        res = p.read("r", list(range(12)), list(range(12, 24)))
-        assert res.ok and p.arrived(list(range(12)), list(range(12, 24)))
-        assert len(gate.threads) == 3  # three parts of 4 blocks each
+        p.holds.hold("r", [1, 2, 3, 4], 64)
+        res = p.read("r", [1, 2, 3, 4], [5, 6, 7, 8])
+        assert res.ok and p.arrived([1, 2, 3, 4], [5, 6, 7, 8])
+        assert [t for t, _ in gate.calls] == [threading.current_thread().name] * 3
     finally:
         p.close()
 
 
-def test_a_hold_released_while_the_copy_threads_copy_fails_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hold_released_during_a_cut_copy_fails_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate()
-    p = pool_pair(monkeypatch, gate)
+    p = helper_pair(monkeypatch, gate)
     try:
         p.holds.hold("r", [3, 4], 32)
-        one = np.ones(2, np.int64)
-        batch = p.consumer.read("p", "r", Descriptors(0 * one, np.array([3, 4]) * STRIDE, 0 * one,
-                                                      np.array([8, 9]) * STRIDE, STRIDE * one))
-        assert gate.started.wait(10) and p.consumer.poll() == []  # the read returned; its copy waits
+        results: list[BatchResult] = []
+        reader = threading.Thread(target=lambda: results.append(p.read("r", [3, 4], [8, 9])))
+        reader.start()
+        assert gate.started.wait(10)
         assert p.holds.release("r")
         gate.go.set()
-        deadline = time.monotonic() + 10
-        while not (results := p.consumer.poll()):
-            assert time.monotonic() < deadline, "no result"
-            time.sleep(0.001)
-        assert [r.batch_id for r in results] == [batch]
-        assert not results[0].ok and results[0].code is ErrorCode.NOT_HELD
+        reader.join(15)
+        assert len(results) == 1 and not results[0].ok and results[0].code is ErrorCode.NOT_HELD
     finally:
         gate.go.set()
         p.close()
 
 
-def test_disconnect_waits_for_a_copy_in_progress_and_skips_the_queued_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disconnect_waits_for_a_cut_copy_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate()
-    p = pool_pair(monkeypatch, gate, threads=1)
+    p = helper_pair(monkeypatch, gate)
     try:
-        p.holds.hold("a", [1], 16)
-        p.holds.hold("b", [2], 16)
-        one = np.ones(1, np.int64)
-
-        def desc(remote: int, local: int) -> Descriptors:
-            return Descriptors(0 * one, remote * STRIDE * one, 0 * one, local * STRIDE * one, STRIDE * one)
-
-        p.consumer.read("p", "a", desc(1, 10))
-        p.consumer.read("p", "b", desc(2, 11))  # queued behind a: one copy thread
+        p.holds.hold("a", [1, 2], 32)
+        results: list[BatchResult] = []
+        reader = threading.Thread(target=lambda: results.append(p.read("a", [1, 2], [10, 11])))
+        reader.start()
         assert gate.started.wait(10)
         returned = threading.Event()
         t = threading.Thread(target=lambda: (p.consumer.disconnect("p"), returned.set()))
@@ -411,14 +406,65 @@ def test_disconnect_waits_for_a_copy_in_progress_and_skips_the_queued_ones(monke
         assert not returned.wait(0.3), "disconnect returned while a copy from the peer was in progress"
         gate.go.set()
         assert returned.wait(10)
-        t.join(10)
-        results = {r.request_id: r for r in p.consumer.poll()}
-        assert results["a"].ok and p.arrived([1], [10])  # begun before the disconnect: finished
-        assert not results["b"].ok and "disconnected" in (results["b"].error or "")
-        assert not p.dst[11 * STRIDE:12 * STRIDE].any(), "a read queued at the disconnect copied"
-        assert len(gate.threads) == 1
+        reader.join(10)
+        assert results[0].ok and p.arrived([1, 2], [10, 11])  # begun before the disconnect: finished
     finally:
         gate.go.set()
+        p.close()
+
+
+def test_a_failing_part_fails_the_read_once_every_part_taken_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def second_fails(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+        with lock:
+            calls.append(nbytes)
+            n = len(calls)
+        if n == 2:
+            raise OSError("process_vm_readv: injected")
+        copy_from(pid, local, remote, nbytes=nbytes)
+
+    p = helper_pair(monkeypatch, None, threads=1)
+    assert p.consumer._helpers is not None
+    monkeypatch.setattr(p.consumer._helpers, "_copy", second_fails)
+    try:
+        p.holds.hold("r", [1, 2, 3, 4], 64)
+        res = p.read("r", [1, 2, 3, 4], [5, 6, 7, 8])
+        assert not res.ok and "injected" in (res.error or "")
+        time.sleep(0.2)
+        assert p.consumer.poll() == [], "a read cut in parts was reported twice"
+    finally:
+        p.close()
+
+
+def test_a_failing_recheck_fails_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.connectors.cma as cma
+
+    def broken(*args: object) -> bool:
+        raise RuntimeError("a bug in the recheck")
+
+    p = helper_pair(monkeypatch, None)
+    monkeypatch.setattr(cma, "row_unchanged", broken)
+    try:
+        p.holds.hold("r", [1, 2], 32)
+        res = p.read("r", [1, 2], [3, 4])
+        assert not res.ok and res.code is ErrorCode.INTERNAL and "a bug in the recheck" in (res.error or "")
+    finally:
+        p.close()
+
+
+def test_closed_helpers_leave_the_reading_thread_to_copy_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(open_=True)
+    p = helper_pair(monkeypatch, gate, threads=2)
+    assert p.consumer._helpers is not None
+    p.consumer._helpers.close()
+    try:
+        p.holds.hold("r", [1, 2], 32)
+        res = p.read("r", [1, 2], [3, 4])
+        assert res.ok and p.arrived([1, 2], [3, 4])
+        assert [t for t, _ in gate.calls] == [threading.current_thread().name] * 2
+    finally:
         p.close()
 
 
@@ -434,96 +480,18 @@ def test_copy_options_are_checked_by_name(options: dict[str, object], says: str)
         CmaDataPlane(options)  # type: ignore[arg-type]
 
 
-def test_copy_threads_zero_copies_on_the_reading_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    p = pool_pair(monkeypatch, None, threads=0)
+def test_copy_threads_zero_copies_whole_on_the_reading_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = helper_pair(monkeypatch, None, threads=0)
     try:
         p.holds.hold("r", [5, 6], 32)
-        one = np.ones(2, np.int64)
-        p.consumer.read("p", "r", Descriptors(0 * one, np.array([5, 6]) * STRIDE, 0 * one,
-                                              np.array([1, 2]) * STRIDE, STRIDE * one))
-        results = p.consumer.poll()  # copied inside read()
-        assert len(results) == 1 and results[0].ok and p.arrived([5, 6], [1, 2])
-        assert p.consumer._pool is None
+        res = p.read("r", [5, 6], [1, 2])
+        assert res.ok and p.arrived([5, 6], [1, 2]) and p.consumer._helpers is None
     finally:
         p.close()
-
-
-def test_a_failing_recheck_on_a_copy_thread_fails_the_read_instead_of_losing_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvxfer.connectors.cma as cma
-
-    def broken(*args: object) -> bool:
-        raise RuntimeError("a bug in the recheck")
-
-    p = pool_pair(monkeypatch, None)
-    monkeypatch.setattr(cma, "row_unchanged", broken)
-    try:
-        p.holds.hold("r", [1, 2], 32)
-        res = p.read("r", [1, 2], [3, 4])
-        assert not res.ok and res.code is ErrorCode.INTERNAL and "a bug in the recheck" in (res.error or "")
-    finally:
-        p.close()
-
-
-def test_a_part_that_fails_fails_its_read_once_after_every_part_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvxfer.connectors.cma as cma
-
-    calls: list[int] = []
-    lock = threading.Lock()
-
-    def second_fails(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
-        with lock:
-            calls.append(nbytes)
-            n = len(calls)
-        if n == 2:
-            raise OSError("process_vm_readv: injected")
-        copy_from(pid, local, remote, nbytes=nbytes)
-
-    monkeypatch.setattr(cma, "MIN_PART_BYTES", STRIDE)
-    p = pool_pair(monkeypatch, None, threads=2)
-    monkeypatch.setattr(p.consumer._pool, "_copy", second_fails)
-    try:
-        p.holds.hold("r", [1, 2, 3, 4], 64)
-        res = p.read("r", [1, 2, 3, 4], [5, 6, 7, 8])
-        assert not res.ok and "injected" in (res.error or "")
-        time.sleep(0.2)
-        assert p.consumer.poll() == [], "a read with two parts was reported twice"
-        assert len(calls) == 2
-    finally:
-        p.close()
-
-
-def test_close_fails_the_copies_still_queued_without_copying(monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = Gate()
-    p = pool_pair(monkeypatch, gate, threads=1)
-    try:
-        p.holds.hold("a", [1], 16)
-        p.holds.hold("b", [2], 16)
-        one = np.ones(1, np.int64)
-        for rid, remote, local in (("a", 1, 10), ("b", 2, 11)):
-            p.consumer.read("p", rid, Descriptors(0 * one, remote * STRIDE * one, 0 * one, local * STRIDE * one,
-                                                  STRIDE * one))
-        assert gate.started.wait(10)
-        closer = threading.Thread(target=p.consumer.close)
-        closer.start()
-        time.sleep(0.2)
-        gate.go.set()
-        closer.join(15)
-        assert not closer.is_alive()
-        results = {r.request_id: r for r in p.consumer.poll()}
-        assert results["a"].ok and p.arrived([1], [10])  # begun before the close: finished
-        assert not results["b"].ok and "closed" in (results["b"].error or "")
-        assert not p.dst[11 * STRIDE:12 * STRIDE].any()
-    finally:
-        gate.go.set()
-        p.producer.close()
 
 
 @pytest.mark.parametrize("data_path", ["engine", "agent"])
-def test_loads_copied_on_the_copy_threads_arrive_bit_exact_through_the_connector(data_path: str) -> None:
-    """Every read on the copy threads (inline_copy_bytes 0), so each load finishes after
-    start_load returned, on another thread: through the consumer's worker (and, with an agent,
-    its event thread) to poll."""
+def test_loads_cut_into_parts_arrive_bit_exact_through_the_connector(data_path: str) -> None:
     from test_agent import cfg, make, wait_for
 
     dcfg = cfg("decode", "cma", data_path=data_path)

@@ -24,15 +24,16 @@ host, another pid namespace, ptrace denied): use ``tcp`` or ``ucx`` there.
 A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
 
-A one-sided read of more than ``inline_copy_bytes`` is copied by the plane's copy threads
-(:mod:`.copier`): the reading thread goes on to the next load, and a large read is cut into
-parts copied at once.
+A copy of more than ``inline_copy_bytes`` is cut into parts that the reading thread and the
+plane's copy threads copy at once (:mod:`.copier`); it is still done when the reading thread's
+call returns.
 
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
 holds on the board; false: every read of this producer asks for a grant), ``copy_threads``
-(default 2; 0: every copy on the reading thread), ``inline_copy_bytes`` (default 2 MiB: reads up
-to this size copy on the reading thread, which costs no thread hand-off).
+(helpers beside the reading thread; default: CPUs - 1, 1 to 3; 0: the reading thread copies
+alone), ``inline_copy_bytes`` (default 2 MiB: a larger copy is cut into parts of at least this
+size, one per copying thread; one 2 MiB block is copied whole).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_d
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
-from .copier import CopyJob, CopyPool, PeerCopies, cut
+from .copier import CopyHelpers, cut
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,8 @@ PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) kee
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
-COPY_THREADS = 2  # default copy_threads: one-sided reads larger than inline_copy_bytes copy on these
-INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a 2 MiB block copies on the reading thread (no hand-off)
-MIN_PART_BYTES = 2 << 20  # a read is cut into parts of at least this many bytes, one per copy thread
+COPY_THREADS = max(1, min(3, (os.cpu_count() or 2) - 1))  # default copy_threads: helpers beside the reader
+INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a larger copy is cut in parts of at least this size
 
 
 class _Iovec(ctypes.Structure):
@@ -184,7 +184,6 @@ class _Peer:
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
     peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
     patterns: dict[bytes, _Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
-    copies: PeerCopies = field(default_factory=PeerCopies)  # its one-sided reads on the copy threads
 
 
 @dataclass
@@ -290,8 +289,8 @@ class CmaDataPlane(HostRegionPlane):
         self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
         self._serve_thread.start()
         self._read_thread.start()
-        # reads larger than inline_copy_bytes copy here (copier.py); 0 threads: on the reading thread
-        self._pool = CopyPool(self.copy_threads, _copy_part) if self.copy_threads else None
+        # copies larger than inline_copy_bytes are cut in parts these threads help with (copier.py)
+        self._helpers = CopyHelpers(self.copy_threads, _copy_part) if self.copy_threads else None
 
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:
@@ -337,12 +336,9 @@ class CmaDataPlane(HostRegionPlane):
                      np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
         with self._direct_lock:
             if addr.board[1] > WINDOW and (peer.strides > 0).all():
-                old = self._direct.get(peer_id)
                 self._direct[peer_id] = peer
             else:
-                old = self._direct.pop(peer_id, None)
-        if old is not None:
-            old.copies.stop(DISCONNECT_WAIT_S)
+                self._direct.pop(peer_id, None)
         self._jobs.put(("connect", (peer_id, peer)))
         self._wake()
 
@@ -351,9 +347,7 @@ class CmaDataPlane(HostRegionPlane):
         finishes first; the read thread drops it), so a failed load's blocks are not written once
         reported."""
         with self._direct_lock:
-            peer = self._direct.pop(peer_id, None)
-        if peer is not None and not peer.copies.stop(DISCONNECT_WAIT_S):
-            logger.warning("cma: a copy from peer %s still runs %g s after its disconnect", peer_id, DISCONNECT_WAIT_S)
+            self._direct.pop(peer_id, None)
         dropped = threading.Event()
         self._jobs.put(("disconnect", (peer_id, dropped)))
         self._wake()
@@ -380,10 +374,10 @@ class CmaDataPlane(HostRegionPlane):
 
     def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
                         local: np.ndarray) -> bool:
-        """Copy if the producer's board allows it (module docstring): on this thread, or, above
-        ``inline_copy_bytes``, on the copy threads; False: it does not (ask for a grant). A copy
-        that fails, or whose hold ended meanwhile, fails the batch. ``local``: each piece's local
-        region's address."""
+        """Copy on this thread (helped, above ``inline_copy_bytes``, by the copy threads) if the
+        producer's board allows it (module docstring); False: it does not (ask for a grant). A
+        copy that fails, or whose hold ended meanwhile, fails the batch. ``local``: each piece's
+        local region's address."""
         with self._direct_lock:
             peer = self._direct.get(peer_id)
             if peer is None or self._closed:
@@ -400,15 +394,8 @@ class CmaDataPlane(HostRegionPlane):
                                   end // remote.strides)
             if row is None:
                 return False
-            if self._pool is not None and d.nbytes > self.inline_copy_bytes:
-                failed = self._copy_later(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
-                if failed is None:
-                    self.one_sided_reads += 1
-                    return True
-                result = failed
-            else:
-                self.one_sided_reads += 1
-                result = self._copy_here(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
+            self.one_sided_reads += 1
+            result = self._copy_here(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
         self._finish(result)  # not under _direct_lock: a completion callback may call back into the plane
         return True
 
@@ -437,31 +424,6 @@ class CmaDataPlane(HostRegionPlane):
         if not isinstance(e, OSError | ReadRefused | ValueError):
             report("cma reads", e, f"one-sided read for {request_id} from {peer_id}")
         return BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
-
-    def _copy_later(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
-                    local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> BatchResult | None:
-        """A one-sided read the board allowed, queued on the copy threads (cut in parts, one per
-        thread); its last part reads the row again and reports the batch. None: queued; else the
-        failed result to report (the pool is closed, or the peer disconnected). Caller holds
-        _direct_lock."""
-        iov = _iovecs(d, local, remote)
-        bounds = cut(d.length, min(self.copy_threads, max(1, d.nbytes // MIN_PART_BYTES)))
-        sizes = np.array([int(d.length[a:b].sum()) for a, b in bounds], dtype=np.int64)
-
-        def copied(error: BaseException | None) -> None:  # on the copy thread of the last part
-            if error is not None:
-                result = self._read_failed(peer_id, request_id, batch_id, error)
-            else:
-                with self._direct_lock:
-                    result = self._rechecked(peer_id, peer, request_id, batch_id, d, row)
-            self._finish(result)
-
-        assert self._pool is not None
-        try:
-            self._pool.submit(CopyJob(peer.addr.pid, iov[0], iov[1], sizes, bounds, peer.copies, copied))
-        except ConnectionError as e:
-            return self._read_failed(peer_id, request_id, batch_id, e)
-        return None
 
     def _wake(self) -> None:
         try:
@@ -605,9 +567,14 @@ class CmaDataPlane(HostRegionPlane):
         """Copy ``d``'s pieces from process ``pid``; ``local`` and ``remote``: each piece's region's
         address on either side (addresses fit int64: user space is below 2**47)."""
         iov = _iovecs(d, local, remote)
+        nbytes = d.nbytes
+        if self._helpers is not None and nbytes > self.inline_copy_bytes:  # cut in parts, copied at once
+            bounds = cut(d.length, min(self.copy_threads + 1, nbytes // max(self.inline_copy_bytes, 1)))
+            if len(bounds) > 1:
+                self._helpers.copy(pid, iov[0], iov[1], bounds, self.timeout_s)
+                return
         # a short copy keeps the GIL: about 0.2 ms per 2 MiB, against a switch interval (5 ms)
         # to get it back from a busy thread (a spinning engine) once released
-        nbytes = d.nbytes
         copy_from(pid, iov[0], iov[1], keep_gil=nbytes <= KEEP_GIL_BYTES, nbytes=nbytes)
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -678,8 +645,6 @@ class CmaDataPlane(HostRegionPlane):
             return "the plane is closed"
         if not self._read_thread.is_alive():
             return "its read thread stopped"
-        if self._pool is not None and not self._pool.alive():
-            return "a copy thread stopped"
         return None
 
     def close(self) -> None:
@@ -692,8 +657,8 @@ class CmaDataPlane(HostRegionPlane):
         self._wake()
         self._read_thread.join(timeout=5)
         self._serve_thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.close()
+        if self._helpers is not None:
+            self._helpers.close()
         if not self._read_thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)
