@@ -149,11 +149,11 @@ def test_a_failing_on_change_neither_raises_nor_loses_a_release() -> None:
 class Pair:
     """A producer and a consumer cma plane in this process; the producer's holds in a registry."""
 
-    def __init__(self, one_sided: bool = True) -> None:
+    def __init__(self, one_sided: bool = True, consumer_options: dict[str, int] | None = None) -> None:
         self.src = np.random.default_rng(0).integers(0, 255, NB * STRIDE, dtype=np.uint8)
         self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
         self.producer = CmaDataPlane({"one_sided": one_sided})
-        self.consumer = CmaDataPlane()
+        self.consumer = CmaDataPlane(consumer_options)
         self.producer.register([region(0, self.src)])
         self.consumer.register([region(0, self.dst)])
         self.holds = registry([0.0])
@@ -327,18 +327,7 @@ def helper_pair(monkeypatch: pytest.MonkeyPatch, gate: Gate | None, threads: int
 
     if gate is not None:
         monkeypatch.setattr(cma, "_copy_part", gate)
-    p = Pair.__new__(Pair)
-    p.src = np.random.default_rng(1).integers(0, 255, NB * STRIDE, dtype=np.uint8)
-    p.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
-    p.producer = CmaDataPlane()
-    p.consumer = CmaDataPlane({"copy_threads": threads, "inline_copy_bytes": 0})
-    p.producer.register([region(0, p.src)])
-    p.consumer.register([region(0, p.dst)])
-    p.holds = registry([0.0])
-    p.holds.on_change = p.producer.hold_changed
-    p.producer.set_read_validator(p.holds.validate)
-    p.consumer.connect("p", p.producer.address())
-    return p
+    return Pair(consumer_options={"copy_threads": threads, "inline_copy_bytes": 0})
 
 
 def test_a_copy_larger_than_inline_copy_bytes_is_cut_into_parts_and_arrives_bit_exact(
@@ -373,15 +362,22 @@ def test_a_read_whose_helpers_never_come_is_copied_whole_by_the_reading_thread(
         p.close()
 
 
+def gated_read(p: Pair, gate: Gate, rid: str, remote: list[int], local: list[int]
+               ) -> tuple[threading.Thread, list[BatchResult]]:
+    """Start ``p.read`` on a thread of its own; returns once its first part waits at the gate."""
+    p.holds.hold(rid, remote, 16 * len(remote))
+    results: list[BatchResult] = []
+    reader = threading.Thread(target=lambda: results.append(p.read(rid, remote, local)))
+    reader.start()
+    assert gate.started.wait(10)
+    return reader, results
+
+
 def test_a_hold_released_during_a_cut_copy_fails_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = Gate()
     p = helper_pair(monkeypatch, gate)
     try:
-        p.holds.hold("r", [3, 4], 32)
-        results: list[BatchResult] = []
-        reader = threading.Thread(target=lambda: results.append(p.read("r", [3, 4], [8, 9])))
-        reader.start()
-        assert gate.started.wait(10)
+        reader, results = gated_read(p, gate, "r", [3, 4], [8, 9])
         assert p.holds.release("r")
         gate.go.set()
         reader.join(15)
@@ -395,11 +391,7 @@ def test_disconnect_waits_for_a_cut_copy_in_progress(monkeypatch: pytest.MonkeyP
     gate = Gate()
     p = helper_pair(monkeypatch, gate)
     try:
-        p.holds.hold("a", [1, 2], 32)
-        results: list[BatchResult] = []
-        reader = threading.Thread(target=lambda: results.append(p.read("a", [1, 2], [10, 11])))
-        reader.start()
-        assert gate.started.wait(10)
+        reader, results = gated_read(p, gate, "a", [1, 2], [10, 11])
         returned = threading.Event()
         t = threading.Thread(target=lambda: (p.consumer.disconnect("p"), returned.set()))
         t.start()

@@ -31,9 +31,9 @@ call returns.
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
 holds on the board; false: every read of this producer asks for a grant), ``copy_threads``
-(helpers beside the reading thread; default: CPUs - 1, 1 to 3; 0: the reading thread copies
-alone), ``inline_copy_bytes`` (default 2 MiB: a larger copy is cut into parts of at least this
-size, one per copying thread; one 2 MiB block is copied whole).
+(helpers beside the reading thread; default: the CPUs this process may run on, less one, from 1
+to 3; 0: the reading thread copies alone), ``inline_copy_bytes`` (default 2 MiB: a larger copy is
+cut into parts of at least this size, one per copying thread; one 2 MiB block is copied whole).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) kee
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
-COPY_THREADS = max(1, min(3, (os.cpu_count() or 2) - 1))  # default copy_threads: helpers beside the reader
+MAX_DEFAULT_COPY_THREADS = 3  # default copy_threads: the CPUs this process may use, less one, at most this
 INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a larger copy is cut in parts of at least this size
 
 
@@ -253,7 +253,8 @@ class CmaDataPlane(HostRegionPlane):
         one_sided = self.options.get("one_sided", True)
         if not isinstance(one_sided, bool):
             raise ValueError(f"connector.data_plane.one_sided: expected true or false, got {one_sided!r}")
-        threads = self.options.get("copy_threads", COPY_THREADS)
+        threads = self.options.get("copy_threads",
+                                   max(1, min(MAX_DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)) - 1)))
         if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 64:
             raise ValueError(f"connector.data_plane.copy_threads: expected an integer from 0 to 64, got {threads!r}")
         inline = self.options.get("inline_copy_bytes", INLINE_COPY_BYTES)
