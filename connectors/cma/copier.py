@@ -110,7 +110,8 @@ class CopyHelpers:
             for _ in range(min(self.threads, len(bounds) - 1)):
                 self._offers.put(job)
         job.work()
-        if not job.wait(timeout_s):
+        if not job.wait(timeout_s):  # a memory copy does not take this long: a helper stopped (SIGSTOP, swap)
+            logger.error("cma: a copy helper still copies %g s after its read began; the read fails", timeout_s)
             raise TimeoutError(f"a copy helper did not finish its part within {timeout_s:g} s")
         if job.error is not None:
             raise job.error
