@@ -158,7 +158,10 @@ class _Batch:
 
 
 class _Stream:
-    """One connection to a peer, driven by its own thread from a job queue."""
+    """One connection to a peer, driven by its own thread from a job queue.
+
+    ``outstanding`` (parts queued or in progress here) is the plane's, under its lock: a part goes
+    to the stream with the fewest, so small reads in flight spread over every stream."""
 
     def __init__(self, plane: TcpDataPlane, peer_id: str, address: Address, token: bytes, index: int) -> None:
         self.plane = plane
@@ -166,6 +169,7 @@ class _Stream:
         self.address = address
         self.token = token
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.outstanding = 0
         self.sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name=f"tcp-{peer_id}-{index}", daemon=True)
         self.thread.start()
@@ -197,9 +201,9 @@ class _Stream:
                 self._drop()
                 if not isinstance(e, OSError | ReadRefused | ValueError):  # not a peer's doing: a bug
                     report("tcp stream", e, f"read for {job.request_id} from {self.peer_id}")
-                self.plane._part_done(job, code_of(e), f"peer {self.peer_id}: {describe(e)}")
+                self.plane._part_done(self, job, code_of(e), f"peer {self.peer_id}: {describe(e)}")
             else:
-                self.plane._part_done(job, None, None)
+                self.plane._part_done(self, job, None, None)
         self._drop()
 
     def _do(self, sock: socket.socket, job: _Job) -> None:
@@ -406,19 +410,27 @@ class TcpDataPlane(HostRegionPlane):
         parts = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
         deadline = time.monotonic() + self.timeout_s
         batch = _Batch(batch_id, peer_id, request_id, d.nbytes, len(parts))
-        with self._lock:
-            self._batches[batch_id] = batch
         views = self._views
+        jobs = []
         for i, (a, b) in enumerate(parts):
             lv = [views[r][o : o + k] for r, o, k in zip(d.local_region[a:b].tolist(), d.local_offset[a:b].tolist(),
                                                          d.length[a:b].tolist(), strict=True)]
-            job = _Job(batch_id, i, request_id, d.remote_region[a:b], d.remote_offset[a:b], d.length[a:b], lv,
-                       deadline)
-            streams[i % len(streams)].jobs.put(job)
+            jobs.append(_Job(batch_id, i, request_id, d.remote_region[a:b], d.remote_offset[a:b], d.length[a:b], lv,
+                             deadline))
+        with self._lock:
+            self._batches[batch_id] = batch
+            # the least-loaded streams first (a stable sort: ties keep the stream order), one part each
+            order = sorted(streams, key=lambda s: s.outstanding)
+            chosen = [order[i % len(order)] for i in range(len(jobs))]
+            for s in chosen:
+                s.outstanding += 1
+        for s, job in zip(chosen, jobs, strict=True):
+            s.jobs.put(job)
         return batch_id
 
-    def _part_done(self, job: _Job, code: ErrorCode | None, error: str | None) -> None:
+    def _part_done(self, stream: _Stream, job: _Job, code: ErrorCode | None, error: str | None) -> None:
         with self._lock:
+            stream.outstanding -= 1
             b = self._batches.get(job.batch_id)
             if b is None:
                 return
