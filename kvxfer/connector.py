@@ -392,6 +392,13 @@ class Connector:
         """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
         self._consumer().start_load(request_id, params, local_block_ids, num_cached_tokens)
 
+    def start_loads(self, loads: Sequence[tuple[str, KVTransferParams, Sequence[int] | np.ndarray, int]]
+                    ) -> list[Exception | None]:
+        """``start_load`` for a burst the caller already holds (the transfer agent: the loads
+        queued on its channel), begun together where the fast path can; what each refused one
+        raised, at its place (None: started)."""
+        return self._consumer().start_loads(loads)
+
     def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                 num_cached_tokens: int = 0) -> PushTarget:
         """Push mode: reserve blocks a prefill instance will push a prompt into; returns the

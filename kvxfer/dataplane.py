@@ -236,6 +236,12 @@ class DataPlane(ABC):
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         """Start copying remote pieces into local regions; returns a batch id."""
 
+    def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """``read`` for each (peer id, request id, descriptors), in order; their batch ids. A
+        plane may move them together (cma: one copy cut across its threads for all), but each
+        is still its own batch, checked and reported alone."""
+        return [self.read(peer_id, request_id, d) for peer_id, request_id, d in reads]
+
     @abstractmethod
     def poll(self) -> list[BatchResult]:
         """Batches finished since the last call (non-blocking)."""

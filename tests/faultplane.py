@@ -5,7 +5,8 @@ It is a plugin like any other: test_supervision.py registers ``faulty-tcp``, ``f
 ``sys.path``, which spawned rank processes inherit), and the Connector finds them by name.
 
 Options, beside the wrapped plane's own (``connector.data_plane``):
-- ``fault_at``: ``connect``, ``read`` or ``poll`` (consumer side), or ``serve`` (producer side:
+- ``fault_at``: ``connect``, ``read`` (``read_many`` too: one fault per burst) or ``poll``
+  (consumer side), or ``serve`` (producer side:
   the read validator the plane's serving loop calls raises);
 - ``fault_exc``: comma-separated exception names, raised one per fault, in order
   (``TimeoutError``, ``OSError``, ``RuntimeError``, ``asyncio.TimeoutError``, ``socket.timeout``);
@@ -111,6 +112,13 @@ class FaultyPlane(DataPlane):
         with self._lock:
             self._read_since_fault = True
         return batch
+
+    def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        self._fault("read")  # one fault for the whole burst, before any of it is read
+        batches = self.inner.read_many(reads)
+        with self._lock:
+            self._read_since_fault = True
+        return batches
 
     def poll(self) -> list[BatchResult]:
         results = self.inner.poll()

@@ -198,6 +198,17 @@ class _Awaited:
     deadline: float
 
 
+@dataclass
+class _Read:
+    """A read this side may copy one-sided, once the producer's board allows it."""
+
+    peer_id: str
+    request_id: str
+    batch_id: int
+    d: Descriptors
+    local: np.ndarray  # each piece's local region's address
+
+
 def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = False,
               nbytes: int | None = None) -> None:
     """Copy the pieces ``remote`` [n, 2] (address, length) of process ``pid`` into ``local`` [n, 2];
@@ -356,69 +367,113 @@ class CmaDataPlane(HostRegionPlane):
             dropped.wait(DISCONNECT_WAIT_S)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
-        batch_id = next(self._ids)
-        d = descriptors
-        if len(d) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, None))
-            return batch_id
+        return self.read_many(((peer_id, request_id, descriptors),))[0]
+
+    def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """Each read the producer's board allows is copied on this thread before this returns, all
+        of them in one copy cut across the copy threads (a burst of small loads then copies as
+        fast as one large one); each is still checked, rechecked and reported alone. The others
+        ask the producer for a grant (the reading thread copies them when it comes)."""
+        batch_ids: list[int] = []
+        direct: list[_Read] = []
         ids, sizes, bases, patterns = self._local
-        local = _pieces(patterns, ids, sizes, bases, None, d.local_region)
-        if local is None or (d.local_offset + d.length > local.sizes).any():  # check_bounds names it
-            why = (check_bounds(self._table, d.local_region, d.local_offset, d.length)
-                   or "a piece lies outside this side's regions")
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS))
-        elif not self._read_one_sided(peer_id, request_id, batch_id, d, local.bases):
+        for peer_id, request_id, d in reads:
+            batch_id = next(self._ids)
+            batch_ids.append(batch_id)
+            if len(d) == 0:
+                self._finish(BatchResult(batch_id, peer_id, request_id, 0, None))
+                continue
+            local = _pieces(patterns, ids, sizes, bases, None, d.local_region)
+            if local is None or (d.local_offset + d.length > local.sizes).any():  # check_bounds names it
+                why = (check_bounds(self._table, d.local_region, d.local_offset, d.length)
+                       or "a piece lies outside this side's regions")
+                self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS))
+                continue
+            direct.append(_Read(peer_id, request_id, batch_id, d, local.bases))
+        asked = self._read_one_sided(direct) if direct else []
+        for r in asked:
             self.granted_reads += 1
-            self._jobs.put(("read", (peer_id, request_id, batch_id, d, local.bases)))
+            self._jobs.put(("read", (r.peer_id, r.request_id, r.batch_id, r.d, r.local)))
+        if asked:
             self._wake()
-        return batch_id
+        return batch_ids
 
-    def _read_one_sided(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
-                        local: np.ndarray) -> bool:
-        """Copy on this thread (helped, above ``inline_copy_bytes``, by the copy threads) if the
-        producer's board allows it (module docstring); False: it does not (ask for a grant). A
-        copy that fails, or whose hold ended meanwhile, fails the batch. ``local``: each piece's
-        local region's address."""
+    def _read_one_sided(self, reads: list[_Read]) -> list[_Read]:
+        """Copy on this thread (helped, above ``inline_copy_bytes``, by the copy threads) the reads
+        the producer's board allows (module docstring); returns the others (they ask for a grant).
+        A copy that fails, or whose hold ended meanwhile, fails its batch."""
+        asked: list[_Read] = []
+        results: list[BatchResult] = []
         with self._direct_lock:
-            peer = self._direct.get(peer_id)
-            if peer is None or self._closed:
-                return False
-            remote = _pieces(peer.patterns, peer.ids, peer.sizes, peer.base, peer.strides, d.remote_region)
-            if remote is None or remote.strides is None:
-                return False  # the grant path refuses it, by name
-            end = d.remote_offset + d.length
-            if (end > remote.sizes).any():
-                return False
-            read_at = peer.peek
-            end -= 1
-            row = check_one_sided(read_at, peer.addr.board, request_id, d.remote_offset // remote.strides,
-                                  end // remote.strides)
-            if row is None:
-                return False
-            self.one_sided_reads += 1
-            result = self._copy_here(peer_id, peer, request_id, batch_id, d, local, remote.bases, row)
-        self._finish(result)  # not under _direct_lock: a completion callback may call back into the plane
-        return True
+            allowed: list[tuple[_Read, _Peer, np.ndarray, np.ndarray]] = []  # read, peer, remote bases, row
+            for r in reads:
+                d = r.d
+                peer = self._direct.get(r.peer_id)
+                if peer is None or self._closed:
+                    asked.append(r)
+                    continue
+                remote = _pieces(peer.patterns, peer.ids, peer.sizes, peer.base, peer.strides, d.remote_region)
+                if remote is None or remote.strides is None:
+                    asked.append(r)  # the grant path refuses it, by name
+                    continue
+                end = d.remote_offset + d.length
+                if (end > remote.sizes).any():
+                    asked.append(r)
+                    continue
+                end -= 1
+                row = check_one_sided(peer.peek, peer.addr.board, r.request_id, d.remote_offset // remote.strides,
+                                      end // remote.strides)
+                if row is None:
+                    asked.append(r)
+                    continue
+                self.one_sided_reads += 1
+                allowed.append((r, peer, remote.bases, row))
+            if len(allowed) == 1:
+                results.append(self._copy_here(*allowed[0]))
+            elif allowed:
+                results.extend(self._copy_together(allowed))
+        for res in results:
+            self._finish(res)  # not under _direct_lock: a completion callback may call back into the plane
+        return asked
 
-    def _copy_here(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
-                   local: np.ndarray, remote: np.ndarray, row: np.ndarray) -> BatchResult:
+    def _copy_here(self, r: _Read, peer: _Peer, remote: np.ndarray, row: np.ndarray) -> BatchResult:
         """A one-sided read the board allowed, copied on this thread. Caller holds _direct_lock."""
         try:
-            self._copy(peer.addr.pid, d, local, remote)
+            iov = _iovecs(r.d, r.local, remote)
+            self._copy(peer.addr.pid, iov, r.d.nbytes)
         except Exception as e:
-            return self._read_failed(peer_id, request_id, batch_id, e)
-        return self._rechecked(peer_id, peer, request_id, batch_id, d, row)
+            return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)
+        return self._rechecked(r, peer, row)
 
-    def _rechecked(self, peer_id: str, peer: _Peer, request_id: str, batch_id: int, d: Descriptors,
-                   row: np.ndarray) -> BatchResult:
+    def _copy_together(self, allowed: list[tuple[_Read, _Peer, np.ndarray, np.ndarray]]) -> list[BatchResult]:
+        """Several allowed reads: one copy per producer process for all of them, then each read
+        rechecked alone. If a joint copy fails, its reads are copied again one by one, so each
+        fails (or not) for its own reason. Caller holds _direct_lock."""
+        by_pid: dict[int, list[tuple[_Read, _Peer, np.ndarray, np.ndarray]]] = {}
+        for a in allowed:
+            by_pid.setdefault(a[1].addr.pid, []).append(a)
+        results: list[BatchResult] = []
+        for pid, group in by_pid.items():
+            try:
+                iov = np.concatenate([_iovecs(r.d, r.local, remote) for r, _, remote, _ in group], axis=1)
+                self._copy(pid, iov, sum(r.d.nbytes for r, _, _, _ in group))
+            except Exception as e:
+                logger.debug("cma: a joint copy of %d reads from pid %d failed (%s); copying them one by one",
+                             len(group), pid, e)
+                results.extend(self._copy_here(*a) for a in group)
+                continue
+            results.extend(self._rechecked(r, peer, row) for r, peer, _, row in group)
+        return results
+
+    def _rechecked(self, r: _Read, peer: _Peer, row: np.ndarray) -> BatchResult:
         """After the copy: the batch's result, which stands only if the board row is unchanged.
         Caller holds _direct_lock (the peer's Peeker is used under it)."""
         try:
             if not row_unchanged(peer.peek, peer.addr.board, row):
-                raise ReadRefused(ErrorCode.NOT_HELD, f"request {request_id}: the hold ended while it was read")
+                raise ReadRefused(ErrorCode.NOT_HELD, f"request {r.request_id}: the hold ended while it was read")
         except Exception as e:
-            return self._read_failed(peer_id, request_id, batch_id, e)
-        return BatchResult(batch_id, peer_id, request_id, d.nbytes, None)
+            return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)
+        return BatchResult(r.batch_id, r.peer_id, r.request_id, r.d.nbytes, None)
 
     @staticmethod
     def _read_failed(peer_id: str, request_id: str, batch_id: int, e: BaseException) -> BatchResult:
@@ -555,7 +610,7 @@ class CmaDataPlane(HostRegionPlane):
         try:
             if reply.error:
                 raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-            self._copy(peer.addr.pid, w.d, w.local, peer.base[w.pos])
+            self._copy(peer.addr.pid, _iovecs(w.d, w.local, peer.base[w.pos]), w.d.nbytes)
         except Exception as e:
             if not isinstance(e, OSError | ReadRefused | ValueError):
                 report("cma reads", e, f"read for {w.request_id} from {peer_id}")
@@ -564,13 +619,11 @@ class CmaDataPlane(HostRegionPlane):
         else:
             self._finish(BatchResult(reply.batch_id, peer_id, w.request_id, w.d.nbytes, None))
 
-    def _copy(self, pid: int, d: Descriptors, local: np.ndarray, remote: np.ndarray) -> None:
-        """Copy ``d``'s pieces from process ``pid``; ``local`` and ``remote``: each piece's region's
-        address on either side (addresses fit int64: user space is below 2**47)."""
-        iov = _iovecs(d, local, remote)
-        nbytes = d.nbytes
+    def _copy(self, pid: int, iov: np.ndarray, nbytes: int) -> None:
+        """Copy the pieces ``iov`` (``_iovecs``: [local, remote] x piece x (address, length)), of
+        ``nbytes`` in all, from process ``pid``."""
         if self._helpers is not None and nbytes > self.inline_copy_bytes:  # cut in parts, copied at once
-            bounds = cut(d.length, min(self.copy_threads + 1, nbytes // max(self.inline_copy_bytes, 1)))
+            bounds = cut(iov[0, :, 1], min(self.copy_threads + 1, nbytes // max(self.inline_copy_bytes, 1)))
             if len(bounds) > 1:
                 self._helpers.copy(pid, iov[0], iov[1], bounds, self.timeout_s)
                 return

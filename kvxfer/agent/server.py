@@ -7,7 +7,8 @@ its transfers, and the engine spends a command round trip per request, not a GIL
 per piece. The agent exits when its engine closes the command channel (or dies).
 
 Threads: the main thread answers commands, in order (``SaveLayer`` and ``StartLoad`` are one-way:
-no answer; a load refused here is reported failed through the events); the event thread waits for
+no answer; a load refused here is reported failed through the events; loads queued back to back
+are started as one burst, so the connector can copy them together); the event thread waits for
 the connector to finish something and sends it. Both send events through ``_flush``, under
 ``_events_lock`` (one sender, events in order; ``_pending`` and ``_broken`` are its): the main
 thread right after a ``StartLoad`` (after the last of a burst of them already sent), so a load the
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 START_WAIT_S = 60.0  # the engine sends Start right after spawning us
 EVENT_WAIT_S = 0.02  # the event thread's longest sleep: hold releases and lease expiry run this often
 PARENT_CHECK_S = 1.0  # the agent checks this often that its engine is still its parent
+MAX_BURST = 64  # loads queued back to back that are started together
 
 
 def _hist(h: Histogram) -> HistogramState:
@@ -105,10 +107,12 @@ class Agent:
         notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
         unsent = False  # loads started since the last _flush_now
+        cmd: Command | None = None
         try:
             while True:
                 try:
-                    cmd = self.commands.recv(PARENT_CHECK_S)
+                    if cmd is None:  # else: the command that ended a burst of loads, taken next
+                        cmd = self.commands.recv(PARENT_CHECK_S)
                 except ChannelClosed:
                     logger.info("transfer agent rank %d: the engine closed the channel; exiting", conn.rank)
                     break
@@ -126,10 +130,13 @@ class Agent:
                 if isinstance(cmd, SaveLayer):  # one-way: the engine does not wait for an answer
                     self._save_layer(cmd)
                 elif isinstance(cmd, StartLoad):  # one-way too
-                    self._start_load(cmd)
+                    cmd = self._start_loads(cmd)
                     unsent = True
+                    if cmd is not None:  # what ended the burst: answered next
+                        continue
                 elif cmd is not None:
                     self._reply(self._answer(cmd))
+                cmd = None
                 if unsent and not self.commands.has_next():  # a burst of loads: their events go out as one
                     self._flush_now()
                     unsent = False
@@ -209,20 +216,49 @@ class Agent:
         except Exception as e:
             report("agent command SaveLayer", e, "that layer's push notice (the reads of the hold end at its lease)")
 
-    def _start_load(self, cmd: StartLoad) -> None:
-        """A load, one-way: the engine checked its arguments and counts it loading, so one the
-        connector refuses anyway is reported failed, with its block ids, by the next events."""
+    def _start_loads(self, first: StartLoad) -> Command | None:
+        """``first`` and every load queued right behind it, started together (the connector
+        copies a burst of small cma loads in one cut); returns the command that ended the burst,
+        if one is waiting. Loads are one-way: the engine checked their arguments and counts them
+        loading, so one the connector refuses anyway is reported failed, with its block ids, by
+        the next events."""
         assert self.conn is not None
+        burst, after = [first], None
+        while len(burst) < MAX_BURST and self.commands.has_next():
+            try:
+                nxt = self.commands.recv(0)
+            except ChannelClosed:
+                break  # the engine is gone: the main loop's next receive ends it
+            if not isinstance(nxt, StartLoad):
+                after = nxt
+                break
+            burst.append(nxt)
         try:
-            self.conn.start_load(cmd.request_id, cmd.params, cmd.local_block_ids, cmd.num_cached_tokens)
-        except Exception as e:
-            code = ErrorCode.BAD_PARAMS if isinstance(e, ValueError) else code_of(e)
-            if not isinstance(e, ValueError):
-                report("agent command StartLoad", e, f"request {cmd.request_id} (failed)")
-            with self._refused_lock:
-                self._refused.failed[cmd.request_id] = list(cmd.local_block_ids)
-                self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
-                self._refused.codes[cmd.request_id] = code
+            if len(burst) == 1:
+                errors: list[Exception | None] = [None]
+                try:
+                    self.conn.start_load(first.request_id, first.params, first.local_block_ids,
+                                         first.num_cached_tokens)
+                except Exception as e:
+                    errors = [e]
+            else:
+                errors = self.conn.start_loads([(c.request_id, c.params, c.local_block_ids, c.num_cached_tokens)
+                                                for c in burst])
+        except Exception as e:  # a bug in start_loads itself: every load of the burst fails
+            errors = [e] * len(burst)
+        for cmd, err in zip(burst, errors, strict=True):
+            if err is not None:
+                self._refuse_load(cmd, err)
+        return after
+
+    def _refuse_load(self, cmd: StartLoad, e: Exception) -> None:
+        code = ErrorCode.BAD_PARAMS if isinstance(e, ValueError) else code_of(e)
+        if not isinstance(e, ValueError):
+            report("agent command StartLoad", e, f"request {cmd.request_id} (failed)")
+        with self._refused_lock:
+            self._refused.failed[cmd.request_id] = list(cmd.local_block_ids)
+            self._refused.errors[cmd.request_id] = f"the transfer agent refused the load: {describe(e)}"
+            self._refused.codes[cmd.request_id] = code
 
     def _flush(self, wait: bool = True) -> bool:
         """Send what finished, refused loads and a change of ``broken`` as one Event (if any).

@@ -150,6 +150,7 @@ class Consumer(PushReceiver):
         self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}  # the turn-lock holder's
         self._unread: dict[ParallelLayout, frozenset[int]] = {}  # the turn-lock holder's
         self._here = threading.local()  # .on: this thread is on the fast path (it takes what finishes)
+        self._deferred: list[Batch] | None = None  # the turn-lock holder's: a group's reads, not yet issued
         # True: whoever calls start_load takes what the fast path finished itself (the agent's
         # command thread sends it at once), so no waiter is woken for it
         self.caller_takes_done = False
@@ -162,6 +163,39 @@ class Consumer(PushReceiver):
     def start_load(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
                    num_cached_tokens: int = 0) -> None:
         """Check the arguments (raising, with no state change), then load in the background."""
+        load = self._admit(request_id, params, local_block_ids, num_cached_tokens)
+        if not self._begin_here([load]):
+            self._jobs.put(BeginLoad(load))
+        self._check_worker()  # a stopped worker would never begin it: fail it now
+
+    def start_loads(self, loads: Sequence[tuple[str, KVTransferParams, Sequence[int] | np.ndarray, int]]
+                    ) -> list[Exception | None]:
+        """``start_load`` for each (request id, params, local block ids, cached tokens): a burst
+        the caller already has (the agent: the loads queued on its channel). The ones the fast
+        path takes are begun together, their reads handed to the plane in one ``read_many``
+        (cma copies them in one cut). Each is checked alone: what a refused one raised is at its
+        place in the returned list, None for the others."""
+        refused: list[Exception | None] = []
+        admitted: list[Load] = []
+        for request_id, params, local_block_ids, num_cached_tokens in loads:
+            try:
+                admitted.append(self._admit(request_id, params, local_block_ids, num_cached_tokens))
+            except Exception as e:
+                refused.append(e)
+            else:
+                refused.append(None)
+        small = [ld for ld in admitted if self._small(ld)]
+        if len(small) > 1:
+            self._begin_here(small)
+        for ld in admitted:  # what the group did not begin: alone here if it can, else by the worker
+            if not ld.began_at and not self._begin_here([ld]):
+                self._jobs.put(BeginLoad(ld))
+        self._check_worker()
+        return refused
+
+    def _admit(self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray,
+               num_cached_tokens: int) -> Load:
+        """A checked load, counted and registered (raises, with no state change, if refused)."""
         L = self.cache.spec.block_size
         ids = checked_load_ids(request_id, params, local_block_ids, num_cached_tokens, L, self.cache.num_blocks,
                                self.layout)
@@ -173,9 +207,7 @@ class Consumer(PushReceiver):
                         local_block_size=L)
             self._loads[request_id] = load
             self.stats.load_started()
-        if not self._begin_here(load):
-            self._jobs.put(BeginLoad(load))
-        self._check_worker()  # a stopped worker would never begin it: fail it now
+        return load
 
     def wait(self, request_id: str, params: KVTransferParams) -> None:
         """The request waits in the decode queue: keep its producer holds alive until loaded."""
@@ -233,37 +265,75 @@ class Consumer(PushReceiver):
         if not getattr(self._here, "on", False):
             self._jobs.put(Wake())
 
-    def _begin_here(self, load: Load) -> bool:
-        """The fast path (class doc): begin a small load on this thread if the worker is not in a
-        turn and every producer rank it reads is known (no handshake here); False: queue it."""
-        if len(load.local_blocks_full) * self._bytes_per_block > self.inline_load_bytes:
+    def _small(self, load: Load) -> bool:
+        return len(load.local_blocks_full) * self._bytes_per_block <= self.inline_load_bytes
+
+    def _begin_here(self, loads: list[Load]) -> bool:
+        """The fast path (class doc): begin small loads on this thread if the worker is not in a
+        turn and every producer rank they read is known (no handshake here); all or none: False
+        leaves every one for the caller to queue."""
+        if not all(self._small(ld) for ld in loads):
             return False
         if not self._turn_lock.acquire(blocking=False):
             return False
         try:
-            return self._begin_locked(load)
-        except Exception as e:  # a bug before the load began: the worker begins it (and reports what fails)
-            report("consumer fast path", e, f"request {load.request_id} (queued for the worker)")
-            return load.began_at != 0.0
+            return self._begin_locked(loads)
+        except Exception as e:  # a bug before a load began: the worker begins it (and reports what fails)
+            report("consumer fast path", e, f"request {loads[0].request_id}"
+                   + (f" and {len(loads) - 1} more" if len(loads) > 1 else " (queued for the worker)"))
+            unissued = {id(b.load): b.load for b in self._deferred or []}
+            for load in unissued.values():  # begun, their reads never issued: failed now, not at their deadline
+                if self._live(load):
+                    self._fail(load, ErrorCode.INTERNAL, f"starting the load failed: {describe(e)}")
+            return all(ld.began_at != 0.0 for ld in loads)
         finally:
             self._here.on = False
+            self._deferred = None
             self._turn_lock.release()
             if not self.caller_takes_done and self._done:
                 self._ready.set()  # another thread may wait in poll for what the fast path finished
 
-    def _begin_locked(self, load: Load) -> bool:
-        """``_begin_here`` with the turn lock held."""
-        params = load.source
-        ranks = {r.rank: r for r in params.ranks}
-        for rr in self._slices_by_rank(params):
-            if rr not in ranks or self.peers.known(params.engine_id, ranks[rr]) is None:
-                return False
+    def _begin_locked(self, loads: list[Load]) -> bool:
+        """``_begin_here`` with the turn lock held. Several loads: their reads are collected as
+        they are planned and handed to the plane together (``_issue_deferred``)."""
+        for load in loads:
+            params = load.source
+            ranks = {r.rank: r for r in params.ranks}
+            for rr in self._slices_by_rank(params):
+                if rr not in ranks or self.peers.known(params.engine_id, ranks[rr]) is None:
+                    return False
         if self._broken is not None or not self._worker.is_alive():
             return False
         self._here.on = True
-        self._begin(load)
-        self._poll_plane()  # what the plane finished (cma: this load) is reported now
+        if len(loads) == 1:
+            self._begin(loads[0])
+        else:
+            self._deferred = []
+            for load in loads:
+                self._begin(load)
+            self._issue_deferred()
+        self._poll_plane()  # what the plane finished (cma: these loads) is reported now
         return True
+
+    def _issue_deferred(self) -> None:
+        """Hand the reads collected by ``_issue`` to the plane in one ``read_many``; those of a load
+        that failed meanwhile are left out. If the plane raises, every load with a read in it fails."""
+        batches, self._deferred = self._deferred or [], None
+        batches = [b for b in batches if any(b is x for x in b.load.batches)]
+        if not batches:
+            return
+        try:
+            ids = self.plane.read_many([(b.peer_id, b.load.source.request_id, b.descs) for b in batches])
+        except Exception as e:
+            report("consumer: read_many", e, f"{len(batches)} reads")
+            for peer_id in {b.peer_id for b in batches}:  # reads it began may still copy: stopped first
+                self.peers.forget(peer_id)
+            for load in {id(b.load): b.load for b in batches}.values():
+                self._fail(load, code_of(e), describe(e))
+            return
+        for b, batch_id in zip(batches, ids, strict=True):
+            b.batch_id = batch_id
+            self._in_flight[batch_id] = b
 
     def _check_worker(self) -> None:
         """The engine's own guarantee that nothing hangs: if the worker thread has stopped
@@ -463,6 +533,9 @@ class Consumer(PushReceiver):
         batch.read_again_at = None
         if not batch.load.issued_at:
             batch.load.issued_at = time.monotonic()
+        if self._deferred is not None:  # a group on the fast path: read together (_issue_deferred)
+            self._deferred.append(batch)
+            return
         batch.batch_id = self.plane.read(batch.peer_id, batch.load.source.request_id, batch.descs)
         self._in_flight[batch.batch_id] = batch
 
