@@ -282,6 +282,9 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
     busy = rows[-1]["busy"]  # the same request count again, other requests decoding meanwhile
     assert busy["failed_transfers"] == 0 and busy["transfers_measured"] == 1, busy
     assert busy["background_errors"] == [] and busy["background_done"] >= 2, busy
-    assert "busy/idle" in r.stdout
+    for phase in (rows[-1], busy):  # where kvxfer's transfer time went, from its own metrics
+        st = phase["stages_us"]
+        assert set(st) == {"queue", "plan", "transfer", "complete", "handoff"} and st["transfer"] > 0, st
+    assert "busy/idle" in r.stdout and "idle stages, us per load" in r.stdout
     if importlib.util.find_spec("nixl") is None:
         assert "pip install nixl" in r.stdout

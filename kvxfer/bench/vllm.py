@@ -127,7 +127,21 @@ def _phase(p: VllmServer, d: VllmServer, prompts: list[list[int]], output: int, 
     return {"requests": len(ttft), "transfers_measured": n,
             "failed_transfers": after.get(failed_key, 0) - before.get(failed_key, 0),
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90), "e2e_p50_ms": _pct(e2e, 50),
-            "transfer_mean_ms": xfer_ms}
+            "transfer_mean_ms": xfer_ms, "stages_us": _stages(before, after)}
+
+
+def _stages(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """kvxfer's mean microseconds per load in each stage over the phase (its metrics' stage sums:
+    queue, plan, transfer, complete; handoff, to the engine's poll); None for NIXL."""
+    def delta(key: str) -> float:
+        return after.get(f"kvxfer_{key}_total", 0.0) - before.get(f"kvxfer_{key}_total", 0.0)
+
+    loads, handoffs = delta("stage_loads"), delta("stage_handoffs")
+    if not loads:
+        return None
+    out = {s: delta(f"stage_{s}_s") / loads * 1e6 for s in ("queue", "plan", "transfer", "complete")}
+    out["handoff"] = delta("stage_handoff_s") / handoffs * 1e6 if handoffs else float("nan")
+    return out
 
 
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
@@ -267,6 +281,12 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
             line += (f" | {b['transfer_mean_ms']:7.2f} ms {_ratio(b['transfer_busy_over_idle'])} "
                      f"{_ratio(b['transfer_ratio_to_nixl'])} {int(b['failed_transfers']):>6}")
         print(line)
+    for r in rows:
+        for phase, ph in (("idle", r), ("busy", r.get("busy"))):
+            st = ph and ph.get("stages_us")
+            if st:
+                print(f"{r['connector']:<12} {phase} stages, us per load: " + ", ".join(f"{k} {v:.0f}"
+                                                                                      for k, v in st.items()))
     if busy:
         print("busy: the same number of requests again while other requests keep the decode server decoding "
               "(background requests completed: "
