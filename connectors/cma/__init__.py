@@ -457,6 +457,9 @@ class CmaDataPlane(HostRegionPlane):
             try:
                 iov = np.concatenate([_iovecs(r.d, r.local, remote) for r, _, remote, _ in group], axis=1)
                 self._copy(pid, iov, sum(r.d.nbytes for r, _, _, _ in group))
+            except TimeoutError as e:  # a helper may still be copying: no read of the group may stand
+                results.extend(self._read_failed(r.peer_id, r.request_id, r.batch_id, e) for r, _, _, _ in group)
+                continue
             except Exception as e:
                 logger.debug("cma: a joint copy of %d reads from pid %d failed (%s); copying them one by one",
                              len(group), pid, e)

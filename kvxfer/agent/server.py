@@ -87,6 +87,7 @@ class Agent:
         self._events_lock = threading.Lock()
         self._pending = Finished()  # what poll gave and no send has carried yet
         self.parent = os.getppid()
+        self._channel_closed = False  # the main thread's: a receive inside a burst found the channel closed
 
     def run(self) -> int:
         start = self.commands.recv(START_WAIT_S)
@@ -132,6 +133,9 @@ class Agent:
                 elif isinstance(cmd, StartLoad):  # one-way too
                     cmd = self._start_loads(cmd)
                     unsent = True
+                    if self._channel_closed:
+                        logger.info("transfer agent rank %d: the command channel closed; exiting", conn.rank)
+                        break
                     if cmd is not None:  # what ended the burst: answered next
                         continue
                 elif cmd is not None:
@@ -227,8 +231,9 @@ class Agent:
         while len(burst) < MAX_BURST and self.commands.has_next():
             try:
                 nxt = self.commands.recv(0)
-            except ChannelClosed:
-                break  # the engine is gone: the main loop's next receive ends it
+            except ChannelClosed:  # closed, or a frame that does not decode (dropped): the loop ends
+                self._channel_closed = True
+                break
             if not isinstance(nxt, StartLoad):
                 after = nxt
                 break
