@@ -36,6 +36,7 @@ from kvxfer.protocol import (
     Abandon,
     Ack,
     DoneNotice,
+    DoneNotices,
     ErrorCode,
     ErrorReply,
     HandshakeRequest,
@@ -364,7 +365,7 @@ class Connector:
                 return ErrorReply(code=ErrorCode.UNEXPECTED, message=f"a {self.config.role} rank takes no push")
             refusal = self.consumer.layers_ready(msg)
             return ErrorReply(code=refusal.code, message=refusal.message) if refusal else Ack()
-        if isinstance(msg, DoneNotice | LeaseRenew | Abandon):
+        if isinstance(msg, DoneNotice | DoneNotices | LeaseRenew | Abandon):
             if not self.auth.check_token(msg.token):
                 return ErrorReply(code=ErrorCode.AUTH, message="no valid handshake token")
             if msg.generation != self.generation:
@@ -373,6 +374,14 @@ class Connector:
             if isinstance(msg, DoneNotice):
                 why = holds.on_done(msg.request_id, msg.engine_id, msg.rank, msg.layout)
                 return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, message=why) if why else Ack()
+            if isinstance(msg, DoneNotices):  # each counted alone; the reply names those not held
+                unknown = [rid for rid in msg.request_ids
+                           if holds.on_done(rid, msg.engine_id, msg.rank, msg.layout) is not None]
+                if unknown:
+                    return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST,
+                                      message=f"{len(unknown)} of {len(msg.request_ids)} requests are not held: "
+                                      + ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else ""))
+                return Ack()
             if isinstance(msg, LeaseRenew):
                 holds.renew(msg.request_ids)
                 return Ack()

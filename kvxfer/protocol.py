@@ -19,6 +19,7 @@ from kvxfer.topology import ParallelLayout
 PROTOCOL_VERSION = 3  # 2: refusals carry an ErrorCode; 3: push (LayersReady, PushTarget, not_ready)
 MAX_MESSAGE_BYTES = 4 << 20  # side-channel frames; a handshake response is a few KiB
 MAX_READ_PIECES = 1 << 20  # descriptors in one data-plane read request
+MAX_DONE_IDS = 4096  # request ids in one DoneNotices (4096 of the longest ids: 1 MiB)
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -144,6 +145,18 @@ class DoneNotice(Message, tag="done", frozen=True):
     engine_id: Id  # the consumer's
     rank: int  # the consumer's global rank
     layout: ParallelLayout  # the consumer's, so the producer knows how many readers to expect
+    generation: int  # the producer's generation the consumer read from
+    token: bytes = b""
+
+
+class DoneNotices(Message, tag="dones", frozen=True):
+    """``DoneNotice`` for several requests at once: a consumer rank's notices to one producer rank
+    that were queued together (a burst of loads finishing) go as one round trip."""
+
+    request_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=MAX_DONE_IDS)]
+    engine_id: Id  # the consumer's
+    rank: int  # the consumer's global rank
+    layout: ParallelLayout  # the consumer's
     generation: int  # the producer's generation the consumer read from
     token: bytes = b""
 
@@ -346,8 +359,8 @@ class LayersReady(Message, tag="layers", frozen=True):
     token: bytes = b""
 
 
-SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | DoneNotice | LeaseRenew | \
-    Abandon | Ack | ErrorReply | LayersReady
+SideChannelMessage = Hello | Challenge | HandshakeRequest | HandshakeResponse | DoneNotice | DoneNotices | \
+    LeaseRenew | Abandon | Ack | ErrorReply | LayersReady
 
 # built here, after every message type (LayersReady needs KVTransferParams); used by decode_side/decode_data
 _side = msgspec.msgpack.Decoder(SideChannelMessage)

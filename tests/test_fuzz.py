@@ -31,6 +31,7 @@ from kvxfer.protocol import (
     Abandon,
     DataHello,
     DoneNotice,
+    DoneNotices,
     HandshakeRequest,
     Hello,
     KVTransferParams,
@@ -102,6 +103,9 @@ def _hostile_side() -> st.SearchStrategy[bytes]:
         st.builds(lambda rid, g, t: encode(DoneNotice(request_id=rid, engine_id="x", rank=0, layout=LAYOUT,
                                                       generation=g, token=t)), ids, gens, st.binary(max_size=40)),
         st.builds(lambda rids, g, t: encode(LeaseRenew(request_ids=rids, generation=g, token=t)),
+                  st.lists(ids, max_size=5), gens, st.binary(max_size=40)),
+        st.builds(lambda rids, g, t: encode(DoneNotices(request_ids=rids, engine_id="x", rank=0, layout=LAYOUT,
+                                                        generation=g, token=t)),
                   st.lists(ids, max_size=5), gens, st.binary(max_size=40)),
         st.builds(lambda rid, g: encode(Abandon(request_id=rid, generation=g, reason="fuzz", token=b"")), ids, gens),
         st.builds(lambda e, n, cn: encode(HandshakeRequest(engine_id=e, rank=n, layout=LAYOUT, client_nonce=cn,
@@ -265,6 +269,41 @@ def test_duplicate_done_notices_count_once(live: Live) -> None:
     assert "dup" in recv(conn, 30)[1]
     reply = done(1)  # after the release: the request is unknown, and the server says so
     assert reply["type"] == "error" and reply["code"] == "unknown_request"
+    assert live.alive()
+
+
+def test_done_notices_count_each_request_and_name_the_unknown(live: Live) -> None:
+    """One DoneNotices for several requests counts each as its own done notice (a TP 2 consumer
+    owes two per request), names the requests not held, and is refused whole for a stale generation."""
+    _, conn = live.prod.procs[0]
+    conn.send(("hold", "many-a", [50, 51, 52, 53, 54, 55, 56], NTOK))
+    gen = KVTransferParams.from_bytes(recv(conn, 30)[1]).ranks[0].generation
+    conn.send(("hold", "many-b", [57, 58, 59, 60, 61, 62, 63], NTOK))
+    recv(conn, 30)
+    tp2 = ParallelLayout(tp_size=2, pp_size=1, num_layers=4, num_kv_heads=4)
+
+    def dones(rank: int, ids: list[str], generation: int = gen) -> dict[str, Any]:
+        reply = live.side_request(encode(DoneNotices(request_ids=ids, engine_id="D3", rank=rank, layout=tp2,
+                                                     generation=generation, token=live.token)))
+        assert reply is not None
+        return msgspec.msgpack.decode(reply)
+
+    def released() -> list[str]:
+        conn.send("released")
+        return list(recv(conn, 30)[1])
+
+    reply = dones(1, ["many-a", "many-b"], generation=gen + 1)
+    assert reply["type"] == "error" and reply["code"] == "stale_generation", reply
+    assert dones(0, ["many-a", "many-b"])["type"] == "ack"
+    # rank 1's stale notice counted nothing: one reader of two, nothing released
+    assert not {"many-a", "many-b"} & set(released())
+    reply = dones(1, ["many-a", "ghost", "many-b"])
+    assert reply["type"] == "error" and reply["code"] == "unknown_request" and "ghost" in reply["message"], reply
+    assert "many-a" not in reply["message"] and "many-b" not in reply["message"], reply
+    deadline = time.monotonic() + 10
+    while not {"many-a", "many-b"} <= set(got := released()) and time.monotonic() < deadline:
+        pass  # each query is a round trip to the producer process
+    assert {"many-a", "many-b"} <= set(got)
     assert live.alive()
 
 
