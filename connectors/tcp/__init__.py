@@ -48,6 +48,10 @@ MIN_SPLIT_BYTES = 8 << 20  # below this a batch goes on one stream
 MIN_SPLIT_PIECE = 256 << 10  # ... and below this average piece size too
 MAX_FRAME = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 _LEN = struct.Struct("!I")
+# a Unix socket's send buffer: at the default (208 KiB) a 2 MiB read is ten wake-ups of the
+# receiver and ten of the blocked sender; at 4 MiB (the kernel caps it at net.core.wmem_max)
+# a 2 MiB transfer between two processes measured 382 us p50 / 443 p90, against 464 / 739
+UNIX_SNDBUF = 4 << 20
 OPTIONS = {"streams", "transport", "timeout_s", "host", "port"}
 
 
@@ -76,6 +80,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
             raise ConnectionError("connection closed by peer")
         got += k
     return buf
+
+
+def widen_unix_buffer(sock: socket.socket) -> None:
+    """Raise a Unix socket's send buffer to UNIX_SNDBUF (loopback TCP tunes its own: unchanged)."""
+    if sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
 
 
 def send_frame(sock: socket.socket, frame: bytes) -> None:
@@ -300,6 +310,7 @@ class TcpDataPlane(HostRegionPlane):
                 continue
             try:
                 conn.settimeout(None)
+                widen_unix_buffer(conn)
                 if conn.family != socket.AF_UNIX:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with self._lock:

@@ -195,7 +195,7 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
     n = 0
     spinner = Spinner()
     bare_planes: list[Any] = []
-    from kvxfer.connectors.tcp import send_pieces
+    from kvxfer.connectors.tcp import send_pieces, widen_unix_buffer
 
     try:
         while True:
@@ -221,6 +221,7 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 pieces = piece_views(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:]))
                 if raw is None:
                     raw, _ = srv.accept()
+                    widen_unix_buffer(raw)  # as the tcp plane's connections: the baseline is not handicapped
                 conn.send("ready")
                 while raw.recv(1) == b"g":
                     send_pieces(raw, pieces)
