@@ -1,4 +1,5 @@
-"""The tcp plane's streams: reads in flight spread over a peer's connections.
+"""The tcp plane's streams: reads in flight spread over a peer's connections; Unix connections'
+send buffers.
 
 Two real tcp planes in this process (real sockets, the producer's real serving threads); the
 producer's read validator is the only hook, gated to keep one read in the server.
@@ -6,12 +7,14 @@ producer's read validator is the only hook, gated to keep one read in the server
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from kvxfer.connectors.tcp import TcpDataPlane
+from kvxfer.connectors.tcp import UNIX_SNDBUF, TcpDataPlane
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import BatchResult, Descriptors
@@ -98,5 +101,22 @@ def test_finished_reads_free_their_stream() -> None:
         with pair.producer._lock:
             conns = len(pair.producer._conns)
         assert conns == 1
+    finally:
+        pair.close()
+
+
+def test_unix_connections_get_a_wide_send_buffer() -> None:
+    """The producer's end of a Unix connection sends from a buffer as large as the kernel allows
+    up to UNIX_SNDBUF (the default, 208 KiB, costs a wake-up of each side per 208 KiB)."""
+    pair = Pair("unix")
+    try:
+        res = pair.wait_for(pair.read("r", 2))
+        assert res is not None and res.ok
+        with pair.producer._lock:
+            (conn,) = pair.producer._conns
+        cap = int(Path("/proc/sys/net/core/wmem_max").read_text())
+        default = int(Path("/proc/sys/net/core/wmem_default").read_text())
+        got = conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert got >= min(UNIX_SNDBUF, cap) and got > default, (got, cap, default)
     finally:
         pair.close()
