@@ -120,3 +120,47 @@ def test_unix_connections_get_a_wide_send_buffer() -> None:
         assert got >= min(UNIX_SNDBUF, cap) and got > default, (got, cap, default)
     finally:
         pair.close()
+
+
+def test_a_small_read_on_an_idle_connection_is_done_by_the_caller() -> None:
+    """Once a stream is connected and idle, a small read is done on the thread that calls
+    ``read``: it is finished (bit-exact) when ``read`` returns, reported from that thread."""
+    pair = Pair("unix")
+    reporters: list[str] = []
+    pair.consumer.set_completion_callback(lambda: reporters.append(threading.current_thread().name))
+    try:
+        res = pair.wait_for(pair.read("first", 1))  # connects the stream (on its own thread)
+        assert res is not None and res.ok
+        batch = pair.read("inline", 5)
+        done = {r.batch_id: r for r in pair.consumer.poll()}
+        assert batch in done and done[batch].ok, done
+        assert reporters[-1] == threading.current_thread().name, reporters
+        assert np.array_equal(pair.src[5 * STRIDE:6 * STRIDE], pair.dst[5 * STRIDE:6 * STRIDE])
+    finally:
+        pair.close()
+
+
+def test_an_inline_read_that_waits_too_long_is_finished_by_the_stream() -> None:
+    """A read whose reply is held in the server past the inline wait: ``read`` returns unfinished,
+    the stream's thread takes the reply when it comes, bit-exact, and the connection stays in
+    step for the next read."""
+    pair = Pair("unix")
+    try:
+        res = pair.wait_for(pair.read("first", 1))
+        assert res is not None and res.ok
+        slow = pair.read("slow", 3)  # inline on the connected stream, held in the server
+        first = pair.consumer._streams["p"][0]
+        assert first.handed_over == 1, "the read was not begun here and left to the stream's thread"
+        assert pair.in_server.wait(5), "the read never reached the server"
+        assert slow not in {r.batch_id for r in pair.consumer.poll()}, "the gated read finished early"
+        pair.gate.set()
+        res = pair.wait_for(slow)
+        assert res is not None and res.ok, res
+        res = pair.wait_for(pair.read("after", 9))
+        assert res is not None and res.ok, res
+        for b in (1, 3, 9):
+            assert np.array_equal(pair.src[b * STRIDE:(b + 1) * STRIDE], pair.dst[b * STRIDE:(b + 1) * STRIDE])
+        with pair.producer._lock:
+            assert len(pair.producer._conns) == 1  # one connection throughout: nothing was dropped
+    finally:
+        pair.close()

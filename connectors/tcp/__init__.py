@@ -18,13 +18,14 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import struct
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -48,6 +49,11 @@ IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024
 MIN_SPLIT_BYTES = 8 << 20  # below this a batch goes on one stream
 MIN_SPLIT_PIECE = 256 << 10  # ... and below this average piece size too
 MAX_FRAME = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
+# a read of one part up to this size, for an idle connected stream, is done on the thread that
+# calls ``read`` (with an agent: its command thread, on the fast path) for up to INLINE_WAIT_S;
+# the stream's thread finishes what is not done by then
+INLINE_READ_BYTES = 32 << 20
+INLINE_WAIT_S = 0.01
 _LEN = struct.Struct("!I")
 # a Unix socket's send buffer: at the default (208 KiB) a 2 MiB read is ten wake-ups of the
 # receiver and ten of the blocked sender; at 4 MiB (the kernel caps it at net.core.wmem_max)
@@ -129,20 +135,32 @@ def send_pieces(sock: socket.socket, views: list[memoryview]) -> None:
         _advance(pending, sock.sendmsg(pending))
 
 
+class _Receipt:
+    """A receive into ``views`` that can stop at a deadline and go on later (on another thread)."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views = views
+        self.i = 0  # the next view not yet in pending
+        self.pending: list[memoryview] = []  # what is left of the views being received into
+
+    def run(self, sock: socket.socket, deadline: float) -> None:
+        """recvmsg_into in groups of IOV_MAX buffers until every view is full; TimeoutError at
+        ``deadline`` (what arrived so far stays received)."""
+        while self.i < len(self.views) or self.pending:
+            self.i = _refill(self.pending, self.views, self.i)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("read did not complete within the batch time limit")
+            sock.settimeout(remaining)
+            got = sock.recvmsg_into(self.pending)[0]
+            if got == 0:
+                raise ConnectionError("connection closed by peer mid-transfer")
+            _advance(self.pending, got)
+
+
 def recv_pieces(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
     """recvmsg_into in groups of IOV_MAX buffers until every view is full, or the deadline."""
-    i = 0
-    pending: list[memoryview] = []
-    while i < len(views) or pending:
-        i = _refill(pending, views, i)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("read did not complete within the batch time limit")
-        sock.settimeout(remaining)
-        got = sock.recvmsg_into(pending)[0]
-        if got == 0:
-            raise ConnectionError("connection closed by peer mid-transfer")
-        _advance(pending, got)
+    _Receipt(views).run(sock, deadline)
 
 
 @dataclass
@@ -155,6 +173,12 @@ class _Job:
     lengths: np.ndarray
     views: list[memoryview]
     deadline: float
+    sent: bool = False  # its read request went out
+    receipt: _Receipt | None = None  # its reply header arrived: the bytes being received
+
+
+_RESUME = _Job(-1, -1, "", np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), [], 0.0)
+"""Queued to wake a stream's thread for a receive ``try_inline`` left unfinished (``_Stream.resume``)."""
 
 
 @dataclass
@@ -182,8 +206,44 @@ class _Stream:
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.outstanding = 0
         self.sock: socket.socket | None = None
+        # the connection is used by whoever holds this: the stream's thread for each job, or a
+        # thread reading inline (``try_inline``), which leaves an unfinished receive in ``resume``
+        self._busy = threading.Lock()
+        self.resume: _Job | None = None
+        self.handed_over = 0  # reads try_inline left to the thread (what a test looks at)
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name=f"tcp-{peer_id}-{index}", daemon=True)
         self.thread.start()
+
+    def try_inline(self, job: _Job) -> bool:
+        """Do ``job`` on the calling thread, if the connection is open and idle, for at most
+        INLINE_WAIT_S: a receive not done by then is left to the stream's thread, which goes on
+        from the byte it stopped at. False: not taken (the caller queues it)."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            if self.closed or self.sock is None or self.resume is not None:
+                return False
+            sock = self.sock
+            try:
+                self._do(sock, job, min(job.deadline, time.monotonic() + INLINE_WAIT_S))
+            except TimeoutError:
+                if self.closed:
+                    self._failed(job, ConnectionError("the stream closed mid-read"))
+                elif time.monotonic() >= job.deadline:
+                    self._failed(job, TimeoutError("read did not complete within the batch time limit"))
+                else:  # slower than the inline wait: the stream's thread finishes it, first
+                    self.resume = job
+                    self.handed_over += 1
+                    self.jobs.put(_RESUME)
+                return True
+            except Exception as e:
+                self._failed(job, e)
+                return True
+            self.plane._part_done(self, job, None, None)
+            return True
+        finally:
+            self._busy.release()
 
     def _connect(self) -> socket.socket:
         a = self.address
@@ -202,26 +262,52 @@ class _Stream:
 
     def _run(self) -> None:
         """Supervised: any exception fails this job's part (the connection is dropped, the next
-        job reconnects) and the stream goes on."""
+        job reconnects) and the stream goes on. A receive left by ``try_inline`` is finished
+        before the next job (its reply comes first on the connection)."""
         while (job := self.jobs.get()) is not None:
-            try:
-                if self.sock is None:
-                    self.sock = self._connect()
-                self._do(self.sock, job)
-            except Exception as e:
-                self._drop()
-                if not isinstance(e, OSError | ReadRefused | ValueError):  # not a peer's doing: a bug
-                    report("tcp stream", e, f"read for {job.request_id} from {self.peer_id}")
-                self.plane._part_done(self, job, code_of(e), f"peer {self.peer_id}: {describe(e)}")
-            else:
-                self.plane._part_done(self, job, None, None)
+            with self._busy:
+                resumed, self.resume = self.resume, None
+                for j in (resumed, job):
+                    if j is None or j is _RESUME:
+                        continue
+                    try:
+                        if self.sock is None:
+                            self.sock = self._connect()
+                        self._do(self.sock, j, j.deadline)
+                    except Exception as e:
+                        self._failed(j, e)
+                    else:
+                        self.plane._part_done(self, j, None, None)
         self._drop()
 
-    def _do(self, sock: socket.socket, job: _Job) -> None:
-        req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
-                          offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
+    def _failed(self, job: _Job, e: Exception) -> None:
+        """A part failed: the connection is dropped (a refusal too: simplest to keep in step)."""
+        self._drop()
+        if not isinstance(e, OSError | ReadRefused | ValueError):  # not a peer's doing: a bug
+            report("tcp stream", e, f"read for {job.request_id} from {self.peer_id}")
+        self.plane._part_done(self, job, code_of(e), f"peer {self.peer_id}: {describe(e)}")
+
+    def _do(self, sock: socket.socket, job: _Job, wait_until: float) -> None:
+        """Send the job's request (once), take its reply header, then its bytes; TimeoutError at
+        ``wait_until`` leaves the job where it stopped (header awaited, or bytes part received)."""
+        if not job.sent:
+            req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
+                              offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
+            sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
+            send_frame(sock, encode(req))
+            job.sent = True
+        if job.receipt is None:
+            self._header(sock, job, wait_until)
+            job.receipt = _Receipt(job.views)
+        job.receipt.run(sock, wait_until)
+
+    def _header(self, sock: socket.socket, job: _Job, wait_until: float) -> None:
+        """The reply's header: waited for until ``wait_until`` with nothing read (so that a wait
+        given up leaves the connection where it was), then read whole by the job's deadline."""
+        sock.settimeout(max(wait_until - time.monotonic(), 0.0))
+        if not select.select([sock], [], [], max(wait_until - time.monotonic(), 0.0))[0]:
+            raise TimeoutError("no reply within the wait")
         sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
-        send_frame(sock, encode(req))
         reply = decode_data(recv_frame(sock))
         if not isinstance(reply, ReadReply) or reply.batch_id != job.batch_id:
             raise ConnectionError(f"unexpected reply {type(reply).__name__}")
@@ -229,7 +315,6 @@ class _Stream:
             raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
         if reply.nbytes != int(job.lengths.sum()):
             raise ConnectionError(f"reply announces {reply.nbytes} bytes, expected {int(job.lengths.sum())}")
-        recv_pieces(sock, job.views, job.deadline)
 
     def _drop(self) -> None:
         if self.sock is not None:
@@ -240,6 +325,7 @@ class _Stream:
             self.sock = None
 
     def close(self) -> None:
+        self.closed = True
         self.jobs.put(None)
         if self.sock is not None:
             try:
@@ -398,6 +484,17 @@ class TcpDataPlane(HostRegionPlane):
             s.close()
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
+        return self._read(peer_id, request_id, descriptors, inline=True)
+
+    def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """Each read queued on its streams (none inline: the streams move them in parallel)."""
+        if len(reads) == 1:
+            return [self.read(*reads[0])]
+        return [self._read(peer_id, request_id, d, inline=False) for peer_id, request_id, d in reads]
+
+    def _read(self, peer_id: str, request_id: str, descriptors: Descriptors, inline: bool) -> int:
+        """``read``; ``inline``: a small read for an idle, connected stream is done on this thread
+        (see ``_Stream.try_inline``): no hand-off to the stream's thread and back."""
         batch_id = next(self._ids)
         d = descriptors
         with self._lock:
@@ -436,6 +533,10 @@ class TcpDataPlane(HostRegionPlane):
             chosen = [order[i % len(order)] for i in range(len(jobs))]
             for s in chosen:
                 s.outstanding += 1
+            alone = len(self._batches) == 1  # no other read of this plane in flight
+        if (inline and alone and len(jobs) == 1 and d.nbytes <= INLINE_READ_BYTES and chosen[0].outstanding == 1
+                and chosen[0].try_inline(jobs[0])):
+            return batch_id
         for s, job in zip(chosen, jobs, strict=True):
             s.jobs.put(job)
         return batch_id
