@@ -2,10 +2,11 @@
 the registered tensors, received with ``recvmsg_into`` straight into the destination blocks.
 
 No intermediate bytes objects on either end. Each read request is split by bytes over
-``streams`` connections per peer, each served by its own thread. When both ends run on one
-host the connection is a Unix domain socket (``transport: auto``), which measured faster
-than loopback TCP on these machines (6 vs 3-4.7 GB/s for one stream); its send buffer is widened
-(``UNIX_SNDBUF``).
+``streams`` connections per peer, each served by its own thread. A small read for an idle
+stream is done on the calling thread instead, for up to INLINE_WAIT_S (``_Stream.try_inline``).
+When both ends run on one host the connection is a Unix domain socket (``transport: auto``),
+which measured faster than loopback TCP on these machines (6 vs 3-4.7 GB/s for one stream); its
+send buffer is widened (``UNIX_SNDBUF``).
 
 Options (``connector.data_plane``): ``streams`` (default 2), ``transport`` (auto, tcp, unix),
 ``timeout_s`` (per read batch; the connector passes ``timeouts.transfer_s``), ``host`` and
