@@ -231,7 +231,7 @@ class _Stream:
             except TimeoutError:
                 if self.closed:
                     self._failed(job, ConnectionError("the stream closed mid-read"))
-                elif time.monotonic() >= job.deadline:
+                elif time.monotonic() >= job.deadline or not job.sent:  # (a request half sent cannot go on)
                     self._failed(job, TimeoutError("read did not complete within the batch time limit"))
                 else:  # slower than the inline wait: the stream's thread finishes it, first
                     self.resume = job
@@ -305,7 +305,6 @@ class _Stream:
     def _header(self, sock: socket.socket, job: _Job, wait_until: float) -> None:
         """The reply's header: waited for until ``wait_until`` with nothing read (so that a wait
         given up leaves the connection where it was), then read whole by the job's deadline."""
-        sock.settimeout(max(wait_until - time.monotonic(), 0.0))
         if not select.select([sock], [], [], max(wait_until - time.monotonic(), 0.0))[0]:
             raise TimeoutError("no reply within the wait")
         sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
