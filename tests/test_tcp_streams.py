@@ -42,6 +42,8 @@ class Pair:
         self.producer.set_read_validator(self.validate)
         self.consumer.connect("p", self.producer.address())
         self.results: dict[int, BatchResult] = {}
+        self.finished = threading.Event()  # set by the plane's completion callback
+        self.consumer.set_completion_callback(self.finished.set)
 
     def validate(self, request_id: str, d: Descriptors) -> Refusal | None:
         if request_id == "slow":
@@ -57,10 +59,11 @@ class Pair:
     def wait_for(self, batch: int, timeout_s: float = 5.0) -> BatchResult | None:
         deadline = time.monotonic() + timeout_s
         while batch not in self.results and time.monotonic() < deadline:
+            self.finished.clear()
             for r in self.consumer.poll():
                 self.results[r.batch_id] = r
             if batch not in self.results:
-                time.sleep(0.001)
+                self.finished.wait(max(deadline - time.monotonic(), 0.0))
         return self.results.get(batch)
 
     def close(self) -> None:
@@ -127,7 +130,12 @@ def test_a_small_read_on_an_idle_connection_is_done_by_the_caller() -> None:
     ``read``: it is finished (bit-exact) when ``read`` returns, reported from that thread."""
     pair = Pair("unix")
     reporters: list[str] = []
-    pair.consumer.set_completion_callback(lambda: reporters.append(threading.current_thread().name))
+
+    def report() -> None:
+        reporters.append(threading.current_thread().name)
+        pair.finished.set()
+
+    pair.consumer.set_completion_callback(report)
     try:
         res = pair.wait_for(pair.read("first", 1))  # connects the stream (on its own thread)
         assert res is not None and res.ok

@@ -487,10 +487,8 @@ class TcpDataPlane(HostRegionPlane):
         return self._read(peer_id, request_id, descriptors, inline=True)
 
     def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
-        """Each read queued on its streams (none inline: the streams move them in parallel)."""
-        if len(reads) == 1:
-            return [self.read(*reads[0])]
-        return [self._read(peer_id, request_id, d, inline=False) for peer_id, request_id, d in reads]
+        """Each read queued on its streams (none inline unless alone: the streams move them in parallel)."""
+        return [self._read(peer_id, request_id, d, inline=len(reads) == 1) for peer_id, request_id, d in reads]
 
     def _read(self, peer_id: str, request_id: str, descriptors: Descriptors, inline: bool) -> int:
         """``read``; ``inline``: a small read for an idle, connected stream is done on this thread
@@ -533,9 +531,9 @@ class TcpDataPlane(HostRegionPlane):
             chosen = [order[i % len(order)] for i in range(len(jobs))]
             for s in chosen:
                 s.outstanding += 1
-            alone = len(self._batches) == 1  # no other read of this plane in flight
-        if (inline and alone and len(jobs) == 1 and d.nbytes <= INLINE_READ_BYTES and chosen[0].outstanding == 1
-                and chosen[0].try_inline(jobs[0])):
+            # alone: no other read of this plane in flight, and its stream had nothing else to do
+            alone = len(self._batches) == 1 and len(jobs) == 1 and chosen[0].outstanding == 1
+        if inline and alone and d.nbytes <= INLINE_READ_BYTES and chosen[0].try_inline(jobs[0]):
             return batch_id
         for s, job in zip(chosen, jobs, strict=True):
             s.jobs.put(job)
