@@ -1,10 +1,24 @@
 """How the notifier says what it has queued: done notices to one producer rank merge into one
 ``DoneNotices``; nothing moves before an abandon or renewal to the same rank; other ranks,
-generations and tokens stay apart."""
+generations and tokens stay apart; a merge that fails still sends every notice."""
 
 from __future__ import annotations
 
-from kvxfer.protocol import MAX_DONE_IDS, Abandon, DoneNotice, DoneNotices, LeaseRenew, RemoteRank
+import pytest
+import zmq
+
+from kvxfer.handshake import SideChannelClient
+from kvxfer.protocol import (
+    MAX_DONE_IDS,
+    Abandon,
+    Ack,
+    DoneNotice,
+    DoneNotices,
+    LeaseRenew,
+    RemoteRank,
+    decode_side,
+    encode,
+)
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.load import Notice
 from kvxfer.transfer.notifier import merged
@@ -66,3 +80,35 @@ def test_a_group_holds_at_most_the_protocol_limit() -> None:
     out = merged([done(f"r{i}") for i in range(MAX_DONE_IDS + 3)])
     assert [len(ids) for _, _, ids in said(out)] == [MAX_DONE_IDS, 3]
     assert [i for _, _, ids in said(out) for i in ids] == [f"r{i}" for i in range(MAX_DONE_IDS + 3)]
+
+
+def test_a_failed_merge_still_sends_every_notice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in merging must not stop the notifier: the notices go one by one, and later ones too.
+    A real ZMQ ROUTER stands in for the producer's side channel and acknowledges each."""
+    import kvxfer.transfer.notifier as notifier_mod
+
+    def broken(notices: list[Notice]) -> list:
+        raise RuntimeError("a bug in merging")
+
+    monkeypatch.setattr(notifier_mod, "merged", broken)
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    rank = RemoteRank(rank=0, host="127.0.0.1", port=port, generation=1)
+    n = notifier_mod.Notifier(SideChannelClient(5.0, 0), 0)
+    got: list[str] = []
+    try:
+        for rid in ("a", "b", "c"):
+            n.send(Notice(rank, DoneNotice(request_id=rid, engine_id="D", rank=0, layout=LAYOUT, generation=1)))
+        while len(got) < 3:
+            assert router.poll(10_000), f"the notifier stopped after {got}"
+            ident, empty, frame = router.recv_multipart()
+            msg = decode_side(frame)
+            assert isinstance(msg, DoneNotice)
+            got.append(msg.request_id)
+            router.send_multipart([ident, empty, encode(Ack())])
+        assert got == ["a", "b", "c"]
+    finally:
+        n.close()
+        router.close()

@@ -121,7 +121,12 @@ class Notifier:
         closed = False
         while not closed:
             notices, closed = self._take()
-            for r, msg in merged(notices):
+            try:
+                messages = merged(notices)
+            except Exception as e:  # supervised: a bug in merging costs the merge, not the notices
+                report("consumer notifier", e, f"merging {len(notices)} notices")
+                messages = [(n.rank, n.msg) for n in notices]
+            for r, msg in messages:
                 self._send(r, msg)
         self.client.close_thread()
 
