@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from msgspec.structs import replace
 from test_transfer import Producers, enc, make_cfg
 
 from kvxfer.config import SideChannelConfig
+from kvxfer.integrations.vllm_pd import free_port
 from kvxfer.protocol import KVTransferParams
 
 pytestmark = pytest.mark.slow
@@ -289,9 +289,7 @@ def test_restarted_producer_is_handshaken_again(conn: str) -> None:
     """Same address, new registration: params of the dead generation are refused by name,
     the new generation's are loaded after a fresh handshake."""
     pcfg, dcfg = cfgs(conn)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        fixed = s.getsockname()[1]
+    fixed = free_port()
     pcfg = replace(pcfg, connector=replace(pcfg.connector, side_channel=SideChannelConfig(port=fixed)))
     cons = ConsumerProc(dcfg)
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import yaml
 
 from kvxfer.config import load_instance_config, load_launch_config
 from kvxfer.engine.launcher import _addr, make_workload, run_workload, started, wait_ready
+from kvxfer.integrations.vllm_pd import free_port
 from kvxfer.metrics import BusyClock, ConnectorMetrics, Histogram
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,9 +68,7 @@ def test_histogram_buckets_are_cumulative() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _metric(text: str, name: str, engine: str) -> float:

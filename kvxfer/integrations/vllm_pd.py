@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -32,10 +33,41 @@ STOP_TIMEOUT_S = 30.0
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")  # "RuntimeError: ...", "ucxx.x.UCXError: ..."
 
 
+_FIRST_FIXED_PORT = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port for a server this process will start, below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` is free only until some other socket asks for one:
+    a server started a second later (vLLM's own ZMQ and torch ports, a side channel) may be given
+    it first. Ports below the ephemeral range are never given out that way, and none is returned
+    twice by this process."""
+    low = _FIRST_FIXED_PORT
+    high = _ephemeral_range()[0] - 1
+    if high - low < 1000:
+        low, high = 1024, 65535
+    for _ in range(200):
+        port = random.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"free_port: no free port found in {low}-{high} after 200 tries")
 
 
 def kv_transfer_config(connector: str, role: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
