@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from kvxfer.cache.spec import spec_from_config
-from kvxfer.cache.staging import copy_blocks, mirror_of
+from kvxfer.cache.staging import copy_blocks, mirror_of, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.dataplane import (
@@ -258,6 +258,8 @@ class Connector:
             self.server.close()
         self.client.close()
         self.plane.close()
+        if self.cache is not None:
+            unpin(self.cache)  # the host mirror's pinning (a device cache's), once nothing reads it
 
     # ------------------------------------------------------------------ producer
     def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,

@@ -9,11 +9,14 @@ import time
 
 import pytest
 import torch
-from test_agent import NB, _save_layer_case, cfg, wait_for
+from test_agent import NB, cfg, wait_for
+from test_cache_tensors import VARIANTS, spec_for
 
 from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.cache.staging import copy_blocks
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import Connector, EngineConnector
+from kvxfer.transfer.aggregator import Finished
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,7 +78,64 @@ def test_push_layer_by_layer_between_gpu_caches_is_bit_exact(plane: str, data_pa
     p, pt = make_on(cfg("prefill", plane, data_path=data_path), "cuda", fill=7)
     c, ct = make_on(cfg("decode", plane, data_path=data_path), "cuda")
     try:
-        _save_layer_case(p, pt, c, ct)
+        src, dst = [1, 2, 30], [7, 8, 50]
+        p.hold("r1", src, 48, streaming=True)
+        p.push("r1", c.reserve("d1", dst, 48))
+        for layer in range(3):
+            p.save_layer("r1", layer)
+        deadline = time.monotonic() + 30
+        out = Finished()
+        while "d1" not in out.receiving and not out.failed and time.monotonic() < deadline:
+            out.extend(c.poll(0.05))
+        assert out.receiving == ["d1"] and sorted(out.layers.get("d1", [])) == [0, 1, 2], (out.failed, out.errors)
+        for a, b in zip(pt, ct, strict=True):
+            assert _same(a, src, b, dst)
     finally:
         c.close()
         p.close()
+
+
+@pytest.mark.parametrize("data_path", ["engine", "agent"])
+def test_the_host_mirror_is_pinned_while_open_and_unpinned_at_close(data_path: str) -> None:
+    """Memory freed while still host-registered stays pinned, and the next allocation at its
+    address cannot be registered (CUDA then reports the failure at torch's next kernel launch):
+    connectors made and closed one after another in one process must each pin and unpin."""
+    for i in range(3):
+        c, _ = make_on(cfg("decode", "tcp", data_path=data_path), "cuda")
+        mirror = c.cache
+        assert mirror is not None and mirror._pinned, "a device cache's host mirror is pinned"
+        c.close()
+        assert mirror._pinned == [], f"round {i}: still pinned after close"
+        torch.zeros(1024, device="cuda").add_(1)
+        torch.cuda.synchronize()  # no CUDA error left behind
+
+
+# few runs of ids: copied as slices; many: gathered and scattered (kvxfer.cache.staging.MAX_SLICE_RUNS)
+ID_SETS = {"3 runs": [7, 2, 9, 3], "12 runs": [31, 2, 9, 5, 14, 17, 20, 23, 26, 29, 35, 11, 12]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layer", [None, 6])
+@pytest.mark.parametrize("ids", list(ID_SETS))
+def test_copy_blocks_between_gpu_and_host_is_bit_exact(variant: dict, layer: int | None, ids: str) -> None:
+    """The staging copies themselves, both ways, every cache variant: the blocks asked for (all
+    layers, or one layer as a push stages it) arrive bit-exact, and nothing else is written."""
+    spec = spec_for(dtype="bfloat16", **variant)
+    n = 40
+    gpu, host = allocate_kv_cache(spec, n, device="cuda"), allocate_kv_cache(spec, n)
+    for t in gpu.tensors:
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    moved_ids = ID_SETS[ids]
+    rest = [i for i in range(n) if i not in moved_ids]
+    per = len(gpu.tensors) // spec.num_layers
+    copy_blocks(gpu, host, moved_ids, layer=layer)
+    for i, (g, h) in enumerate(zip(gpu.tensors, host.tensors, strict=True)):
+        moved = layer is None or spec.cross_layer or i // per == layer - spec.first_layer
+        assert torch.equal(h[moved_ids].view(torch.uint8), g[moved_ids].cpu().view(torch.uint8)) if moved \
+            else not h.view(torch.uint8).any(), (i, moved)
+        assert not h[rest].view(torch.uint8).any()
+    back = allocate_kv_cache(spec, n, device="cuda")
+    copy_blocks(host, back, moved_ids)
+    for h, b in zip(host.tensors, back.tensors, strict=True):
+        assert torch.equal(b[moved_ids].cpu().view(torch.uint8), h[moved_ids].view(torch.uint8))
+        assert not b[rest].view(torch.uint8).any()

@@ -56,7 +56,7 @@ from kvxfer.agent.messages import (
     Wait,
 )
 from kvxfer.agent.shared import share_tensors
-from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for
+from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import check_cache, check_rank
@@ -179,6 +179,7 @@ class AgentConnector:
                 pass_fds=fds, env=env, close_fds=True)
         except OSError as e:
             self._teardown()
+            unpin(cache)
             raise RuntimeError(f"rank {self.rank}: cannot start the transfer agent: {e}") from None
         finally:
             agent_cmd.close()
@@ -194,6 +195,7 @@ class AgentConnector:
                 raise RuntimeError(f"rank {self.rank}: transfer agent: expected Ready, got {type(reply).__name__}")
         except BaseException:
             self._teardown()
+            unpin(cache)
             raise
         self.ready = reply
         self.cache = cache
@@ -225,6 +227,8 @@ class AgentConnector:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
         with self._poll_lock:
             self._teardown(wait_s=10.0)
+        if self.cache is not None:
+            unpin(self.cache)  # the host mirror's pinning (a device cache's), once the agent is gone
 
     def _teardown(self, wait_s: float = 0.0) -> None:
         """Stop the agent (given ``wait_s`` to exit by itself) and close both channels."""

@@ -80,6 +80,7 @@ class KVCache:
     names: list[str]
     regions: list[MemoryRegion] = field(init=False)
     _buffers: list[object] = field(default_factory=list, repr=False)
+    _pinned: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (address, bytes) host-registered
 
     def __post_init__(self) -> None:
         expected = self.spec.tensor_shapes(self.num_blocks)
