@@ -392,3 +392,24 @@ def test_the_agents_view_of_the_cache_is_prefaulted_without_changing_a_byte() ->
     for v, t, b in zip(view.tensors, cache.tensors, before, strict=True):
         # nothing written: the engine's bytes, seen through both
         assert torch.equal(v.reshape(-1).view(torch.uint8), b) and torch.equal(t.reshape(-1).view(torch.uint8), b)
+
+
+def test_a_busy_polling_engine_offers_its_core_while_its_loads_are_in_flight(
+        pair: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """poll() in a tight loop (as NIXL's callers wait) would keep the engine's core from the agent
+    that does its loads: an empty non-blocking poll with loads in flight yields the CPU; one with
+    nothing in flight, or one that waits, does not."""
+    p, _, c, _ = pair
+    yields: list[int] = []
+    monkeypatch.setattr(agent_client, "_sched_yield", lambda: yields.append(1))
+    for _ in range(5):
+        c.poll()
+    assert yields == [], "nothing in flight: no reason to yield"
+    params = p.hold("r1", [1, 2], 20)
+    p.release("r1")  # not held: the consumer retries for hold_wait_s, so the load stays in flight
+    c.start_load("r1", params, [7, 8])
+    c.poll(0.01)
+    assert yields == [], "a poll that waits gives the core up already"
+    for _ in range(5):
+        c.poll()
+    assert len(yields) >= 4  # one poll may have found the load failed

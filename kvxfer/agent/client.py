@@ -17,6 +17,8 @@ across a blocking call.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -68,6 +70,8 @@ from kvxfer.transfer.consumer import AlreadyLoading
 from kvxfer.transfer.load import checked_load_ids
 
 logger = logging.getLogger(__name__)
+
+_sched_yield = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").sched_yield  # PyDLL: keeps the GIL
 
 AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
 COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
@@ -496,6 +500,12 @@ class AgentConnector:
             if self._failed:
                 out.extend(self._failed)
                 self._failed = Finished()
+            waiting = not timeout_s and bool(self._loads)
+        if waiting and not out:
+            # an engine that polls in a loop keeps its core busy while its loads need the agent's
+            # threads to run: offer the core to them (a system call when nobody else wants it).
+            # The GIL is kept: released, a busy thread of the engine would hold it for a switch interval.
+            _sched_yield()
         return out
 
     def _read_events(self, timeout_s: float, out: Finished) -> None:
