@@ -72,6 +72,15 @@ def wait_for(conn: EngineConnector, rid: str, timeout_s: float = 30.0) -> Finish
     raise AssertionError(f"{rid} neither finished nor failed in {timeout_s} s")
 
 
+def released(p: EngineConnector, rids: list[str], timeout_s: float = 10.0) -> list[str]:
+    """The holds ``p``'s polls report released, until all of ``rids`` are (or ``timeout_s`` passed), sorted."""
+    deadline = time.monotonic() + timeout_s
+    sent: list[str] = []
+    while sorted(sent) != sorted(rids) and time.monotonic() < deadline:
+        sent += p.poll(0.05).sending
+    return sorted(sent)
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[EngineConnector, list[torch.Tensor],
                                                            EngineConnector, list[torch.Tensor]]]:
@@ -97,11 +106,7 @@ def test_an_agent_moves_the_bytes_bit_exact_in_another_process(pair: tuple) -> N
         assert torch.equal(a[src].view(torch.uint8), b[dst].view(torch.uint8))
     s = c.stats()
     assert s["loads_ok"] == 1 and s["bytes_received"] > 0 and s["broken"] == 0
-    deadline = time.monotonic() + 10
-    sent: list[str] = []
-    while "r1" not in sent and time.monotonic() < deadline:
-        sent += p.poll(0.05).sending
-    assert sent == ["r1"]  # the producer's hold came back through its agent's events
+    assert released(p, ["r1"]) == ["r1"]  # the producer's hold came back through its agent's events
 
 
 def test_bad_input_is_refused_by_name_and_changes_nothing(pair: tuple) -> None:
@@ -273,11 +278,7 @@ def test_a_dead_producer_agent_frees_its_holds_through_poll(pair: tuple) -> None
     p.hold("h1", [1, 2], 32)
     p.hold("h2", [3], 16)
     p.process.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    sent: list[str] = []
-    while sorted(sent) != ["h1", "h2"] and time.monotonic() < deadline:
-        sent += p.poll(0.05).sending
-    assert sorted(sent) == ["h1", "h2"]  # nobody can read them any more: the engine frees the blocks
+    assert released(p, ["h1", "h2"], 15) == ["h1", "h2"]  # nobody can read them any more: the engine frees the blocks
     assert p.broken is not None and "transfer agent" in p.broken
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_agent import NB, cfg, wait_for
+from test_agent import NB, cfg, released, wait_for
 from test_cache_tensors import VARIANTS, spec_for
 
 from kvxfer.cache import allocate_kv_cache, spec_from_config
@@ -60,11 +60,7 @@ def test_pull_between_gpu_caches_is_bit_exact(plane: str, data_path: str, device
         untouched = [i for i in range(NB) if i not in dst]
         for b in ct:  # nothing else was written
             assert not b[untouched].view(torch.uint8).any()
-        deadline = time.monotonic() + 10
-        sent: list[str] = []
-        while "r1" not in sent and time.monotonic() < deadline:
-            sent += p.poll(0.05).sending
-        assert sent == ["r1"]
+        assert released(p, ["r1"]) == ["r1"]
     finally:
         c.close()
         p.close()
