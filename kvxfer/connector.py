@@ -320,8 +320,8 @@ class Connector:
                              f"{target.num_tokens}")
         ids = self.holds.block_ids_of(request_id)
         assert ids is not None
-        self.holds.attach(request_id, target, self._params(request_id, ids, held))
-        self.pusher.notify(request_id)
+        if self.holds.attach(request_id, target, self._params(request_id, ids, held)):
+            self.pusher.notify(request_id)
 
     def _unstage(self, block_ids: list[int]) -> None:
         """Consumer side: loaded blocks go from the host mirror to the device cache."""

@@ -15,7 +15,8 @@ from test_transfer import make_cfg
 
 from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.connector import Connector
-from kvxfer.topology import ParallelLayout
+from kvxfer.protocol import KVTransferParams, PushTarget, RemoteRank
+from kvxfer.topology import ParallelLayout, readers_of
 from kvxfer.transfer.producer import HoldRegistry
 
 
@@ -82,3 +83,49 @@ def test_an_abandon_over_the_side_channel_before_the_hold() -> None:
     finally:
         cons.close()
         prod.close()
+
+
+def _mla_push(tp_rank: int) -> tuple[HoldRegistry, PushTarget, KVTransferParams]:
+    """Producer rank ``tp_rank`` of an MLA TP2 instance (layers 0-1 saved one by one), pushing to TP1."""
+    mine = ParallelLayout(tp_size=2, pp_size=1, num_layers=2, num_kv_heads=1, mla=True)
+    theirs = ParallelLayout(tp_size=1, pp_size=1, num_layers=2, num_kv_heads=1, mla=True)
+    reg = HoldRegistry(mine, tp_rank, 0, 64, {0: (1024, 64 * 1024)}, 10.0, 600.0, Clock(),
+                       region_layers={0: (0, 2)})
+    rank = RemoteRank(rank=0, host="127.0.0.1", port=1, generation=1)
+    target = PushTarget(request_id="d", engine_id="D", num_tokens=20, num_cached_tokens=0, layout=theirs,
+                        ranks=[rank], lease_s=10.0)
+    params = KVTransferParams(request_id="r1", engine_id="P", num_tokens=20, block_ids=[5, 6], block_size=16,
+                              layout=mine, ranks=[rank], lease_s=10.0)
+    return reg, target, params
+
+
+def test_a_push_hold_no_target_rank_reads_is_released_as_done_once_saved() -> None:
+    """MLA TP2 -> TP1: the decode rank reads the latent from one prefill rank; the other's hold is
+    released as done when its last layer is saved, never sent a notice (which raced the load's
+    end and was sometimes refused, releasing it as abandoned)."""
+    readers = [readers_of(_mla_push(r)[0].layout, r, 0, _mla_push(r)[1].layout) for r in (0, 1)]
+    assert sorted(readers) == [0, 1]
+    unread = readers.index(0)
+    reg, target, params = _mla_push(unread)
+    reg.hold("r1", [5, 6], 20, streaming=True)
+    assert reg.attach("r1", target, params) is False
+    assert reg.push_state("r1") is None, "nothing to send to a target that reads nothing here"
+    assert reg.save_layer("r1", 0) is False and len(reg) == 1, "held until the engine saved every layer"
+    reg.save_layer("r1", 1)
+    assert reg.take_released() == ["r1"] and reg.released_by["done"] == 1 and len(reg) == 0
+
+    reg, target, params = _mla_push(1 - unread)  # the rank that is read keeps its target and its hold
+    reg.hold("r1", [5, 6], 20, streaming=True)
+    assert reg.attach("r1", target, params) is True
+    reg.save_layer("r1", 0)
+    reg.save_layer("r1", 1)
+    assert reg.take_released() == [] and reg.push_state("r1") is not None
+
+
+def test_a_saved_hold_attached_to_a_target_that_reads_nothing_is_released_at_once() -> None:
+    reg, target, params = _mla_push(0)
+    if readers_of(reg.layout, 0, 0, target.layout):
+        reg, target, params = _mla_push(1)
+    reg.hold("r1", [5, 6], 20)  # a pull hold: every layer counts as saved
+    assert reg.attach("r1", target, params) is False
+    assert reg.take_released() == ["r1"] and reg.released_by["done"] == 1

@@ -60,6 +60,7 @@ class Hold:
     ready: np.ndarray | None = None
     params: KVTransferParams | None = None  # this rank's params, for the push notices
     targets: list[PushTarget] = field(default_factory=list)
+    unread: bool = False  # pushed only to targets none of whose ranks read this rank
 
 
 class HoldRegistry:
@@ -163,10 +164,16 @@ class HoldRegistry:
             a, b = self._first - self.first_layer, self._stop - self.first_layer
             h.ready = (cs[b] - cs[a]) == (b - a)
             h.lease_deadline = min(max(h.lease_deadline, now + self.lease_s), h.abort_deadline)
+            self._release_if_unread(h)
             return bool(h.targets)
 
-    def attach(self, request_id: str, target: PushTarget, params: KVTransferParams) -> None:
-        """Push this hold's saved layers (now, and as they are saved) to ``target``."""
+    def attach(self, request_id: str, target: PushTarget, params: KVTransferParams) -> bool:
+        """Push this hold's saved layers (now, and as they are saved) to ``target``. False when no
+        rank of ``target`` reads this rank (a replica another rank serves, e.g. MLA's latent from
+        TP2 to TP1): nothing is sent to it, and a hold with no other target is released as done
+        (its readers, none, are done) once every layer is saved (the engine's ``save_layer`` calls
+        still find it), not by a notice race or a lease later."""
+        readers = readers_of(self.layout, self.tp_rank, self.pp_rank, target.layout)
         with self._lock:
             h = self._holds.get(request_id)
             if h is None:
@@ -174,8 +181,20 @@ class HoldRegistry:
             if any(t.engine_id == target.engine_id and t.request_id == target.request_id for t in h.targets):
                 raise ValueError(f"request {request_id}: already pushed to {target.engine_id} "
                                  f"request {target.request_id}")
+            if readers == 0:
+                if not h.targets:
+                    h.unread = True
+                    self._release_if_unread(h)
+                return False
             h.params = params
             h.targets.append(target)
+            h.unread = False
+            return True
+
+    def _release_if_unread(self, h: Hold) -> None:
+        """Caller holds the lock: release a hold no push target reads once all its layers are saved."""
+        if h.unread and (h.saved is None or bool(h.saved.all())):
+            self._release(h.request_id, "done", "no rank of its push targets reads this rank")
 
     def push_state(self, request_id: str) -> tuple[KVTransferParams, list[PushTarget], list[int]] | None:
         """What the pusher sends for a request: its params, targets and saved layers; None when
