@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from kvxfer.bench.e2e import run_order
+from kvxfer.bench.peers import PEERS, SAME_WIRE
 from kvxfer.bench.transfer import STAGES, bench_cache, check_arrived, make_cfg, stage_breakdown
 from kvxfer.connector import Connector
 from kvxfer.metrics import ConnectorMetrics
@@ -45,9 +46,23 @@ def test_bench_transfer_with_peers_writes_table_json_and_plot(tmp_path: Path) ->
                 assert rec["ratio"] == rec["gbps"] / rec["baseline_gbps"]
     baselines = {x["connector"] for x in recs if x["kind"] == "baseline"}
     assert {"memcpy", "raw socket", "raw ucxx (one message)", "raw ucxx (pieces)"} <= baselines
-    for peer in ("nixl", "mooncake"):  # measured when installed; otherwise the table says why not
+    for peer in PEERS:  # measured when installed; otherwise the table says why not
         measured = [x for x in recs if x["connector"] == peer]
         assert len(measured) == 4 or (peer in data["skipped"] and peer in r.stdout), (peer, data["skipped"])
+    same = {(c["connector"], c["pattern"], c["tokens"]): c for c in data["against_nixl"] if c["against"] == "same wire"}
+    for name in connectors:  # each plane against NIXL on its own transports, where that NIXL ran
+        peer = SAME_WIRE[name]
+        if peer in data["skipped"]:
+            continue
+        for pat in ("contiguous", "random"):
+            for tokens in (16, 64):
+                mine = next(x for x in recs if (x["connector"], x["pattern"], x["tokens"]) == (name, pat, tokens))
+                theirs = next(x for x in recs if (x["connector"], x["pattern"], x["tokens"]) == (peer, pat, tokens))
+                c = same[(name, pat, tokens)]
+                assert c["peer"] == peer and c["p50_ratio"] == mine["p50_us"] / theirs["p50_us"]
+                assert c["gbps_ratio"] == mine["gbps"] / theirs["gbps"]
+    if same:
+        assert "kvxfer against NIXL" in r.stdout
     assert "local" in data["skipped"]  # in-process only, and said so
     assert "GB/s" in r.stdout and "x memcpy" in r.stdout
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 20_000

@@ -2,6 +2,13 @@
 (``pip install 'kvxfer[peers]'``): NIXL (UCX backend, DRAM to DRAM, one agent per process)
 and Mooncake's transfer engine (TCP, P2P handshake).
 
+NIXL runs three times, on three sets of UCX transports, so each kvxfer plane meets it on the
+wire that plane uses as well as on NIXL's best: ``nixl`` (UCX picks among shared memory, CMA
+and TCP: on one host its reads are CMA copies, as kvxfer's cma plane's are), ``nixl-tcp``
+(``UCX_TLS=tcp``: the wire kvxfer's tcp plane uses, and NIXL's between hosts without RDMA)
+and ``nixl-nocma`` (the transports kvxfer's ucx plane lets UCX use: everything but CMA and
+CUDA). Comparing the tcp plane with ``nixl`` alone would set a socket against a memory copy.
+
 Each peer has a producer half, which registers the producer's cache tensors and returns
 what the consumer needs to reach them (msgspec-encodable), and a consumer half, which
 registers the consumer's cache and reads a descriptor list (remote region, remote offset,
@@ -25,15 +32,33 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PEERS = ("nixl", "mooncake")
+PEERS = ("nixl", "nixl-tcp", "nixl-nocma", "mooncake")
+# kvxfer's plane -> the NIXL variant on the same transports
+SAME_WIRE = {"cma": "nixl", "tcp": "nixl-tcp", "ucx": "nixl-nocma"}
 MOONCAKE_BATCH = 256
 _MODULES = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}
+
+
+def engine_of(name: str) -> str:
+    """The engine a peer variant runs: "nixl-tcp" -> "nixl"."""
+    return name.split("-", 1)[0]
+
+
+def forced_tls(name: str) -> str | None:
+    """The UCX_TLS a NIXL variant runs with whatever the user set (None: the user's, or NIXL's best)."""
+    if name == "nixl-tcp":
+        return "tcp"
+    if name == "nixl-nocma":
+        from kvxfer.connectors.ucx import DEFAULT_TLS  # no ucxx import: the string only
+
+        return DEFAULT_TLS
+    return None
 
 
 def missing_reason(name: str) -> str | None:
     """None when peer ``name`` can run here; else why not (for the table)."""
     try:
-        importlib.import_module(_MODULES[name])
+        importlib.import_module(_MODULES[engine_of(name)])
     except Exception as e:  # ImportError, or a missing system library (OSError inside the import)
         return f"not installed ({type(e).__name__}: {str(e)[:80]}); pip install 'kvxfer[peers]'"
     return None
@@ -51,14 +76,17 @@ USER_UCX_ENV = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 
 
 def use_peer_env(name: str, user_ucx_env: dict[str, str]) -> None:
-    """Give this (peer) process the user's UCX environment. NIXL also gets its best
+    """Give this (peer) process the user's UCX environment. ``nixl`` also gets its best
     transports on one host unless the user chose: its one-sided reads need CMA, named
     explicitly (without it, or with ucxx's settings inherited, they ran at 0.5-0.7 GB/s
-    here against 4.7). kvxfer's own plane leaves CMA out on purpose (see connectors/ucx)."""
+    here against 4.7). kvxfer's own plane leaves CMA out on purpose (see connectors/ucx).
+    The other NIXL variants get their transports whatever the user set (their names say them)."""
     for k in [k for k in os.environ if k.startswith("UCX_")]:
         del os.environ[k]
     os.environ.update(user_ucx_env)
-    if name == "nixl":
+    if (tls := forced_tls(name)) is not None:
+        os.environ["UCX_TLS"] = tls
+    elif name == "nixl":
         os.environ.setdefault("UCX_TLS", NIXL_UCX_TLS)
 
 
@@ -189,7 +217,7 @@ def producer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
     use_peer_env(name, ucx_env)
     cache = make_cache()
     try:
-        peer = PRODUCERS[name](cache.tensors)
+        peer = PRODUCERS[engine_of(name)](cache.tensors)
         conn.send(("ok", msgspec.msgpack.encode(peer.info)))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -226,7 +254,7 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
     use_peer_env(name, ucx_env)
     cache = make_cache()
     try:
-        peer = CONSUMERS[name](cache.tensors, msgspec.msgpack.decode(info))
+        peer = CONSUMERS[engine_of(name)](cache.tensors, msgspec.msgpack.decode(info))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return

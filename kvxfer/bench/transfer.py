@@ -79,7 +79,7 @@ from kvxfer.bench.transfer_cases import (
 
 # tests import STAGES from here (and bench_cache, check_arrived, make_cfg, stage_breakdown, used above)
 from kvxfer.bench.transfer_cases import STAGES as STAGES
-from kvxfer.bench.transfer_report import HEADER, format_row, print_tables, write_json, write_plots
+from kvxfer.bench.transfer_report import HEADER, format_row, nixl_comparisons, print_tables, write_json, write_plots
 from kvxfer.cache import spec_from_config
 from kvxfer.connector import Connector, Descriptors, available_data_planes, load_data_plane
 from kvxfer.progress import Progress
@@ -455,7 +455,7 @@ class Bench:
                              "x_memcpy": r["gbps"] / memcpy})
 
     def _baseline_of(self, name: str, pat: str, baselines: dict[str, Any]) -> str:
-        if name in ("ucx", "nixl") and "raw ucxx (one message)" in baselines:
+        if (name == "ucx" or peer_mod.engine_of(name) == "nixl") and "raw ucxx (one message)" in baselines:
             return "raw ucxx (one message)" if pat == "contiguous" else "raw ucxx (pieces)"
         return "raw socket"
 
@@ -517,7 +517,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="data planes to measure (default: every installed one that works across processes)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
-    ap.add_argument("--peers", action="store_true", help="also measure NIXL and Mooncake when installed")
+    ap.add_argument("--peers", action="store_true",
+                    help="also measure NIXL (on three transport sets: nixl, nixl-tcp, nixl-nocma) and Mooncake "
+                         "when installed")
     ap.add_argument("--budget-s", type=float, default=1.0, help="time spent on each measurement's trials")
     ap.add_argument("--concurrency", type=int, nargs="?", const=64, default=0, metavar="N",
                     help="also N requests (default 64) of --blocks random blocks each in flight at once, against "
@@ -553,9 +555,12 @@ def run(args: argparse.Namespace) -> int:
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
-    print_tables(bench.skipped, bench.busy_records, bench.concurrency_records, args.concurrency, args.blocks)
+    comparisons = nixl_comparisons(records)
+    print_tables(bench.skipped, bench.busy_records, bench.concurrency_records, args.concurrency, args.blocks,
+                 comparisons)
     if args.json:
         write_json(args.json, {"machine": machine, "skipped": bench.skipped, "records": records,
+                               "against_nixl": comparisons,
                                "poll": bench.poll, "data_path": args.data_path,
                                "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records})
     if args.plot:

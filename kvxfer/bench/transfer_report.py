@@ -50,6 +50,39 @@ def format_busy(r: dict[str, Any]) -> str:
             f"{r['busy_p50_us']:9.0f} {r['p50_ratio']:9.2f}  {format_stages(r['busy_stages'])}").rstrip()
 
 
+def nixl_comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each kvxfer plane's row against NIXL on the same transports (``SAME_WIRE``) and against
+    NIXL's best (``nixl``), same case, same run: p50 and GB/s ratios (kvxfer / NIXL; a p50
+    ratio under 1 and a GB/s ratio over 1 are kvxfer ahead)."""
+    from kvxfer.bench.peers import SAME_WIRE
+
+    peers = {(r["connector"], r["pattern"], r["tokens"]): r for r in records if r["kind"] == "peer"}
+    out = []
+    for r in records:
+        if r["kind"] != "connector":
+            continue
+        same = SAME_WIRE.get(r["connector"])
+        for against, peer in (("same wire", same), ("NIXL's best", "nixl" if same != "nixl" else None)):
+            n = peers.get((peer, r["pattern"], r["tokens"])) if peer else None
+            if n is None:
+                continue
+            out.append({"connector": r["connector"], "pattern": r["pattern"], "tokens": r["tokens"],
+                        "against": against, "peer": peer, "p50_us": r["p50_us"], "peer_p50_us": n["p50_us"],
+                        "p50_ratio": r["p50_us"] / n["p50_us"], "gbps": r["gbps"], "peer_gbps": n["gbps"],
+                        "gbps_ratio": r["gbps"] / n["gbps"]})
+    return out
+
+
+COMPARISON_HEADER = (f"{'connector':<10} {'pattern':<10} {'tokens':>6} {'against':<12} {'peer':<11} {'p50 us':>8} "
+                     f"{'peer p50':>8} {'p50 ratio':>9} {'GB/s':>6} {'peer GB/s':>9} {'GB/s ratio':>10}")
+
+
+def format_comparison(c: dict[str, Any]) -> str:
+    return (f"{c['connector']:<10} {c['pattern']:<10} {c['tokens']:>6} {c['against']:<12} {c['peer']:<11} "
+            f"{c['p50_us']:8.0f} {c['peer_p50_us']:8.0f} {c['p50_ratio']:9.2f} {c['gbps']:6.2f} "
+            f"{c['peer_gbps']:9.2f} {c['gbps_ratio']:10.2f}")
+
+
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
     import matplotlib.ticker
@@ -124,11 +157,17 @@ def plot_busy(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def print_tables(skipped: dict[str, str], busy_records: list[dict[str, Any]],
-                 concurrency_records: list[dict[str, Any]], concurrency: int, blocks: int) -> None:
+                 concurrency_records: list[dict[str, Any]], concurrency: int, blocks: int,
+                 comparisons: list[dict[str, Any]] | None = None) -> None:
     """After the main table (printed case by case as it is measured): what was skipped and why,
-    then the ``--busy-engine`` and ``--concurrency`` tables."""
+    kvxfer against NIXL (same wire and best), then the ``--busy-engine`` and ``--concurrency`` tables."""
     for name, why in skipped.items():
         print(f"{name:<24} {why}")
+    if comparisons:
+        print(f"\nkvxfer against NIXL, same case and run: on the same transports (cma: CMA; tcp: UCX over TCP; "
+              f"ucx: UCX without CMA) and on NIXL's best\n{COMPARISON_HEADER}\n{'-' * len(COMPARISON_HEADER)}")
+        for c in comparisons:
+            print(format_comparison(c))
     if busy_records:
         print(f"\nbusy engine: a Python thread spinning in the consumer or producer process, against idle "
               f"(peers poll their own way)\n{BUSY_HEADER}\n{'-' * len(BUSY_HEADER)}")
