@@ -271,9 +271,9 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
     """`kvxfer bench vllm` on the smallest sweep, busy phase included, so the command stays working
     (where NIXL is not installed, as in CI, the table says how to install it instead of breaking the run)."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "vllm", "--connectors", "nixl", "kvxfer-cma",
-                        "--requests", "1", "--warmup", "1", "--prompt-tokens", "200", "--busy-decode", "2",
-                        "--busy-output", "16", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "vllm", "--connectors", "nixl", "nixl-cma",
+                        "kvxfer-cma", "--requests", "1", "--warmup", "1", "--prompt-tokens", "200",
+                        "--busy-decode", "2", "--busy-output", "16", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -287,4 +287,8 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
         assert set(st) == {"queue", "plan", "transfer", "complete", "handoff"} and st["transfer"] > 0, st
     assert "busy/idle" in r.stdout and "idle stages, us per load" in r.stdout
     if importlib.util.find_spec("nixl") is None:
-        assert "pip install nixl" in r.stdout
+        assert "pip install nixl" in r.stdout and rows[-1]["nixl_baseline"] is None
+    else:  # cma meets NIXL on its own wire: NIXL with CMA, not vLLM's documented TCP-only setting
+        assert [row["connector"] for row in rows] == ["nixl", "nixl-cma", "kvxfer-cma"]
+        assert rows[-1]["nixl_baseline"] == "nixl-cma"
+        assert rows[-1]["transfer_ratio_to_nixl"] == rows[-1]["transfer_mean_ms"] / rows[1]["transfer_mean_ms"]

@@ -9,7 +9,12 @@ the output. Reported per connector:
 - KV transfer time per request on the decode side: NIXL's ``vllm:nixl_xfer_time_seconds``
   (post to completion of its reads) and kvxfer's ``kvxfer_transfer_seconds`` (start of the
   load to its end, planning included); the mean over the measured requests;
-- the ratio of each to NIXL's, measured in the same run.
+- the ratio of each to NIXL's, measured in the same run, on the same transports: NixlConnector
+  runs as vLLM documents it for CPU (``nixl``: ``UCX_TLS=sm,self,tcp``; UCX has no one-sided
+  read over shared memory without CMA, so its reads go over TCP, the wire of kvxfer's tcp plane
+  and the one kvxfer's ucx plane gets between processes) and with CMA added (``nixl-cma``: its
+  best on one host, one-sided copies as kvxfer's cma plane makes). kvxfer-cma is compared with
+  ``nixl-cma`` when it ran (else with ``nixl``, and the table says so); the others with ``nixl``.
 
 With ``--busy-decode N`` each connector's measured requests run twice on the same servers: first
 with the decode server otherwise idle, then while N other requests keep it decoding (each a short
@@ -46,7 +51,17 @@ from kvxfer.integrations.vllm_pd import (
 )
 from kvxfer.progress import Progress
 
-CONNECTORS = ("nixl", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp"}  # UCX_TLS of each NixlConnector variant
+SAME_WIRE = {"kvxfer-cma": "nixl-cma"}  # the NIXL row a kvxfer row is compared with (default: nixl)
+
+
+def baseline_of(connector: str, ran: set[str]) -> str | None:
+    """The NIXL row ``connector`` is compared with: its same-wire variant, else ``nixl``, if it ran."""
+    for name in (SAME_WIRE.get(connector, "nixl"), "nixl"):
+        if name in ran:
+            return name
+    return None
 REQUEST_TIMEOUT_S = 300.0
 BUSY_PROMPT_TOKENS = 32  # a background request's prompt: short, so it is decoding nearly all its life
 BUSY_SETTLE_S = 1.0
@@ -149,18 +164,19 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
              busy_prompts: list[list[int]] | None = None, busy_output: int = 128) -> dict[str, Any]:
     """One connector's row: its servers, the warm-up, the idle phase and (``busy_decode`` > 0) the
     busy phase over ``busy_prompts``."""
-    kind = "nixl" if connector == "nixl" else "kvxfer"
+    kind = "nixl" if connector in NIXL_TLS else "kvxfer"
     extra = None
     mport = free_port()
+    env = {"UCX_TLS": NIXL_TLS[connector]} if kind == "nixl" else None
     if kind == "kvxfer":
         extra = {"connector": {"name": connector.split("-", 1)[1]}, "metrics_port": mport}
     busy_prompts = busy_prompts or []
     length = max(1024, max(len(q) for q in prompts + busy_prompts) + output + 1,
                  BUSY_PROMPT_TOKENS + busy_output + 1)
     p = VllmServer(model, free_port(), "prefill", kind, extra and {**extra, "metrics_port": free_port()}, dtype,
-                   cpu=cpus[0], log=logdir / f"{connector}-prefill.log", max_model_len=length)
+                   cpu=cpus[0], log=logdir / f"{connector}-prefill.log", max_model_len=length, env=env)
     d = VllmServer(model, free_port(), "decode", kind, extra, dtype, cpu=cpus[1],
-                   log=logdir / f"{connector}-decode.log", max_model_len=length)
+                   log=logdir / f"{connector}-decode.log", max_model_len=length, env=env)
     metrics_url = f"http://127.0.0.1:{mport}/metrics" if kind == "kvxfer" else d.url + "/metrics"
     hist = "kvxfer_transfer_seconds" if kind == "kvxfer" else "vllm:nixl_xfer_time_seconds"
     failed_key = "kvxfer_loads_failed_total" if kind == "kvxfer" else "vllm:nixl_num_failed_transfers_total"
@@ -215,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: vLLM is not installed here (pip install -c constraints.txt -e '.[vllm-test]')", file=sys.stderr)
         return 1
     missing = {}
-    if "nixl" in args.connectors and importlib.util.find_spec("nixl") is None:
-        missing["nixl"] = "not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
+    if importlib.util.find_spec("nixl") is None:
+        for c in args.connectors:
+            if c in NIXL_TLS:
+                missing[c] = "not installed: pip install nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1"
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-"))
     model = args.model
     if model is None:
@@ -234,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         cpus = tuple(None if x == "none" else x for x in args.cpus)
         rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work, cpus,  # type: ignore[arg-type]
                              args.busy_decode, busy_prompts, args.busy_output))
-    base = next((r for r in rows if r["connector"] == "nixl"), None)
+    by_name = {r["connector"]: r for r in rows}
     for r in rows:
+        base_name = r["connector"] if r["connector"] in NIXL_TLS else baseline_of(r["connector"], set(by_name))
+        base = by_name.get(base_name) if base_name else None
+        r["nixl_baseline"] = base_name
         r["ttft_ratio_to_nixl"] = r["ttft_p50_ms"] / base["ttft_p50_ms"] if base else None
         r["transfer_ratio_to_nixl"] = r["transfer_mean_ms"] / base["transfer_mean_ms"] if base else None
         if "busy" in r:
@@ -244,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             b["transfer_ratio_to_nixl"] = (b["transfer_mean_ms"] / base["busy"]["transfer_mean_ms"]
                                            if base and "busy" in base else None)
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
-          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}; baseline NixlConnector, same run")
-    _table(rows, base is not None)
+          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}; baseline NixlConnector on the same "
+          "transports (column 'vs'), same run")
+    _table(rows, any(r["nixl_baseline"] for r in rows))
     for c, why in missing.items():
         print(f"{c:<12} {why}")
     print(f"server logs: {work}")
@@ -266,14 +288,15 @@ def _ratio(x: float | None) -> str:
 
 def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     busy = any("busy" in r for r in rows)
-    header = (f"{'connector':<12} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
+    header = (f"{'connector':<12} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
               f"{'xfer/NIXL':>10} {'failed':>6}")
     if busy:
         header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'failed':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        line = (f"{r['connector']:<12} {r['ttft_p50_ms']:7.1f} ms {r['ttft_p90_ms']:7.1f} ms "
+        line = (f"{r['connector']:<12} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
+                f"{r['ttft_p90_ms']:7.1f} ms "
                 f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
                 f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6}")
         if "busy" in r:
@@ -309,7 +332,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
     w = 0.4 if busy else 0.8
     for ax, key, what in ((a, "ttft_p50_ms", "time to first token, p50 (ms)"),
                           (b, "transfer_mean_ms", "KV transfer per request, mean (ms)")):
-        colors = ["#888" if n == "nixl" else "#1f77b4" for n in names]
+        colors = ["#888" if n in NIXL_TLS else "#1f77b4" for n in names]
         bars = ax.bar(x - (w / 2 if busy else 0), [r[key] for r in rows], w, color=colors, label="decode idle")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         if busy:
