@@ -9,12 +9,13 @@ the output. Reported per connector:
 - KV transfer time per request on the decode side: NIXL's ``vllm:nixl_xfer_time_seconds``
   (post to completion of its reads) and kvxfer's ``kvxfer_transfer_seconds`` (start of the
   load to its end, planning included); the mean over the measured requests;
-- the ratio of each to NIXL's, measured in the same run, on the same transports: NixlConnector
-  runs as vLLM documents it for CPU (``nixl``: ``UCX_TLS=sm,self,tcp``; UCX has no one-sided
-  read over shared memory without CMA, so its reads go over TCP, the wire of kvxfer's tcp plane
-  and the one kvxfer's ucx plane gets between processes) and with CMA added (``nixl-cma``: its
-  best on one host, one-sided copies as kvxfer's cma plane makes). kvxfer-cma is compared with
-  ``nixl-cma`` when it ran (else with ``nixl``, and the table says so); the others with ``nixl``.
+- the ratio of each to NIXL's, measured in the same run, on the same transports. NixlConnector
+  runs as vLLM documents it for CPU (``nixl``: ``UCX_TLS=sm,self,tcp``: UCX then emulates its
+  one-sided reads with messages over shared memory, the transports kvxfer's ucx plane uses on
+  one host), with CMA added (``nixl-cma``: its best on one host, one-sided copies as kvxfer's
+  cma plane makes) and over TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp
+  plane). Each kvxfer row is compared with its own (column ``vs``): cma with ``nixl-cma``, tcp
+  with ``nixl-tcp``, ucx with ``nixl``; with ``nixl`` when its own did not run.
 
 With ``--busy-decode N`` each connector's measured requests run twice on the same servers: first
 with the decode server otherwise idle, then while N other requests keep it decoding (each a short
@@ -51,9 +52,10 @@ from kvxfer.integrations.vllm_pd import (
 )
 from kvxfer.progress import Progress
 
-CONNECTORS = ("nixl", "nixl-cma", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
-NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp"}  # UCX_TLS of each NixlConnector variant
-SAME_WIRE = {"kvxfer-cma": "nixl-cma"}  # the NIXL row a kvxfer row is compared with (default: nixl)
+CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+# UCX_TLS of each NixlConnector variant
+NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
+SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
 
 
 def baseline_of(connector: str, ran: set[str]) -> str | None:
