@@ -66,6 +66,12 @@ class Descriptors:
         return int(self.length.sum())
 
     @classmethod
+    def concat(cls, parts: Sequence[Descriptors]) -> Descriptors:
+        """One batch of every part's pieces, in order."""
+        return cls(*(np.concatenate([getattr(d, f) for d in parts]) for f in
+                     ("remote_region", "remote_offset", "local_region", "local_offset", "length")))
+
+    @classmethod
     def from_rows(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> Descriptors:
         a = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
         return cls(*(np.ascontiguousarray(a[:, i]) for i in range(5)))
@@ -102,6 +108,30 @@ def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: 
         return (f"piece [{int(offsets[i])}, {int(ends[i])}) is past the end of region "
                 f"{int(region_ids[i])} ({int(sizes[pos][i])} bytes)")
     return None
+
+
+def check_read_parts(table: RegionTable, validator: ReadValidator | None, request_id: str, regions: bytes,
+                     offsets: bytes, lengths: bytes, parts: Sequence[tuple[str, int]]
+                     ) -> tuple[Refusal | None, Descriptors]:
+    """``check_read`` of a request that carries several requests' pieces (``ReadRequest.parts``):
+    each part checked against its own request; the first refusal, named by its request, refuses
+    the whole (the reader then reads the parts one by one, each answered alone)."""
+    if not parts:
+        return check_read(table, validator, request_id, regions, offsets, lengths)
+    empty = Descriptors.from_rows([])
+    counts = [n for _, n in parts]
+    if parts[0][0] != request_id or min(counts) < 1 or sum(counts) * 8 != len(lengths):
+        return Refusal(ErrorCode.BAD_MESSAGE, "malformed read request: its parts do not cover its pieces"), empty
+    done: list[Descriptors] = []
+    a = 0
+    for rid, n in parts:
+        cut = slice(a * 8, (a + n) * 8)
+        a += n
+        why, d = check_read(table, validator, rid, regions[cut], offsets[cut], lengths[cut])
+        if why is not None:
+            return Refusal(why.code, f"request {rid}: {why.message}"), empty
+        done.append(d)
+    return None, Descriptors.concat(done)
 
 
 def check_read(table: RegionTable, validator: ReadValidator | None, request_id: str, regions: bytes,

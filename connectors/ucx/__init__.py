@@ -24,7 +24,8 @@ with one 64 MiB chunk; 512 MiB: 118-125 ms against 250). Double-buffering the ch
 copy thread measured slower here (1.6-2.0 against 3.0 GB/s for 512 MiB as 16384 x 32 KiB, the
 copy thread and UCX progress contending for the GIL). Staging buffers are kept for the next
 batch (StagingPool). A batch of large pieces is sent piece by piece straight from and into
-the registered tensors.
+the registered tensors. Staged batches to one producer started together (``read_many``: a burst
+of small loads) go as one request and one reply, each load still its own batch (``_Part``).
 
 The UCX worker, its progress and every coroutine run on one thread and event loop owned
 by runtime.py, shared by the planes of a process; the engine's thread never blocks on UCX.
@@ -51,7 +52,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,7 @@ from kvxfer.dataplane import (
     HostRegionPlane,
     ReadRefused,
     check_bounds,
-    check_read,
+    check_read_parts,
 )
 from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
@@ -85,6 +86,7 @@ logger = logging.getLogger(__name__)
 # with no GPU, probing them cut one 512 MiB message from 12 to 3.6 GB/s. Everything else,
 # RDMA included, stays. Measured here: 12.0 GB/s for one 512 MiB message with this set.
 DEFAULT_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"
+MAX_MERGED_PIECES = 1 << 14  # pieces of the staged reads that go to a producer as one request
 OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host"}
 
 
@@ -95,6 +97,15 @@ class _Receiver:
     ctx: Any  # an ApplicationContext around the worker (UcxRuntime.new_receive_worker)
     address: bytes  # the worker's UCX address, sent to producers in hellos
     reads: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One read (its batch) within a request to a producer; a burst's staged reads share one."""
+
+    batch_id: int
+    request_id: str
+    d: Descriptors
 
 
 @dataclass
@@ -253,68 +264,107 @@ class UcxDataPlane(HostRegionPlane):
                 peer.dealer.close(linger=0)
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
-        batch_id = next(self._ids)
-        d = descriptors
-        if peer_id not in self._peers:
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
-                                            f"peer {peer_id} is not connected"))
-            return batch_id
-        why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
-        if why is not None or len(d) == 0:
-            self._finish(BatchResult(batch_id, peer_id, request_id, 0, why, ErrorCode.OUT_OF_BOUNDS if why else None))
-            return batch_id
-        self.rt.submit(self._read(peer_id, request_id, batch_id, d))
-        return batch_id
+        return self.read_many(((peer_id, request_id, descriptors),))[0]
 
-    async def _read(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors) -> None:
+    def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """``read`` for each. The staged ones (small pieces) of one producer go as one request and
+        one reply: a burst of small loads costs one control message, one reply header and one
+        staged copy each way, not one of each per load (``ReadRequest.parts``). Each is still its
+        own batch, reported alone; the producer checks each against its own hold, and if it
+        refuses any, each is read again alone, so each gets its own answer."""
+        batch_ids: list[int] = []
+        staged: dict[str, list[_Part]] = {}
+        for peer_id, request_id, d in reads:
+            batch_id = next(self._ids)
+            batch_ids.append(batch_id)
+            if peer_id not in self._peers:
+                self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
+                                                f"peer {peer_id} is not connected"))
+                continue
+            why = check_bounds(self._table, d.local_region, d.local_offset, d.length)
+            if why is not None or len(d) == 0:
+                self._finish(BatchResult(batch_id, peer_id, request_id, 0, why,
+                                         ErrorCode.OUT_OF_BOUNDS if why else None))
+                continue
+            part = _Part(batch_id, request_id, d)
+            if self._staged(d):
+                staged.setdefault(peer_id, []).append(part)
+            else:
+                self.rt.submit(self._read(peer_id, [part]))
+        for peer_id, parts in staged.items():
+            group: list[_Part] = []
+            for part in parts:
+                if group and sum(len(p.d) for p in group) + len(part.d) > MAX_MERGED_PIECES:
+                    self.rt.submit(self._read(peer_id, group))
+                    group = []
+                group.append(part)
+            self.rt.submit(self._read(peer_id, group))
+        return batch_ids
+
+    def _staged(self, d: Descriptors) -> bool:
+        return d.nbytes / len(d) < self.staging_threshold
+
+    def _fail(self, peer_id: str, parts: list[_Part], code: ErrorCode, why: str) -> None:
+        for p in parts:
+            self._finish(BatchResult.failed(p.batch_id, peer_id, p.request_id, code, why))
+
+    async def _read(self, peer_id: str, parts: list[_Part]) -> None:
+        """One request and reply for ``parts`` (one read, or a burst's staged reads of one producer)."""
         peer = self._peers.get(peer_id)
         if peer is None:  # dropped since read() looked
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.PEER_LOST,
-                                            f"peer {peer_id} is not connected"))
+            self._fail(peer_id, parts, ErrorCode.PEER_LOST, f"peer {peer_id} is not connected")
             return
         ep, receiver = peer.endpoint, peer.receiver
-        staged = d.nbytes / len(d) < self.staging_threshold
+        first = parts[0]
+        d = first.d if len(parts) == 1 else Descriptors.concat([p.d for p in parts])
+        staged = self._staged(d)
         tag = self.ucxx.types.Tag
         task = asyncio.current_task()
         assert task is not None
         receiver.reads.add(task)
         peer.reading += 1
+        each_alone = False
         try:
             header = np.empty(HEADER_BYTES, dtype=np.uint8)
-            hdr = asyncio.ensure_future(ep.recv(header, tag=tag(message_tag(self.plane_id, KIND_HEADER, batch_id)),
-                                                force_tag=True))
-            data_tag = tag(message_tag(self.plane_id, KIND_DATA, batch_id))
-            req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
+            hdr = asyncio.ensure_future(ep.recv(header, tag=tag(message_tag(self.plane_id, KIND_HEADER,
+                                                                            first.batch_id)), force_tag=True))
+            data_tag = tag(message_tag(self.plane_id, KIND_DATA, first.batch_id))
+            req = ReadRequest(request_id=first.request_id, batch_id=first.batch_id, regions=d.remote_region.tobytes(),
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
                               token=msgspec.msgpack.encode([receiver.address, self.plane_id,
-                                                            self.chunk_bytes if staged else 0]))
+                                                            self.chunk_bytes if staged else 0]),
+                              parts=[(p.request_id, len(p.d)) for p in parts] if len(parts) > 1 else [])
             peer.dealer.send(b"R" + encode(req))
             async with self.rt.active():
                 await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
-            self._finish(BatchResult(batch_id, peer_id, request_id, d.nbytes, None))
+            for p in parts:
+                self._finish(BatchResult(p.batch_id, peer_id, p.request_id, p.d.nbytes, None))
         except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10, one from 3.11
             # the receive worker stops before anyone may reuse the destination blocks
             if self._peers.get(peer_id) is peer:
                 await self._drop(peer_id)
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.TIMEOUT,
-                                            f"peer {peer_id}: no complete reply within {self.timeout_s:g}s"))
+            self._fail(peer_id, parts, ErrorCode.TIMEOUT,
+                       f"peer {peer_id}: no complete reply within {self.timeout_s:g}s")
         except asyncio.CancelledError:  # by _renew_receiver: another peer was dropped mid-read
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, ErrorCode.CANCELLED,
-                                            f"peer {peer_id}: read cancelled: its receive worker was retired "
-                                            "when another peer was dropped mid-read"))
+            self._fail(peer_id, parts, ErrorCode.CANCELLED, f"peer {peer_id}: read cancelled: its receive worker was "
+                       "retired when another peer was dropped mid-read")
         except ReadRefused as e:  # nothing was posted beyond the header: no byte can land later
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, e.code, f"peer {peer_id}: {e}"))
+            if len(parts) > 1:
+                each_alone = True
+            else:
+                self._fail(peer_id, parts, e.code, f"peer {peer_id}: {e}")
         except Exception as e:
             # receives may still be posted into the destination: stop the receive worker first
             if not isinstance(e, OSError | ValueError):
-                report("ucx read", e, f"read for {request_id} from {peer_id}")
+                report("ucx read", e, f"read for {first.request_id} from {peer_id}")
             if self._peers.get(peer_id) is peer:
                 await self._drop(peer_id)
-            self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
-                                            f"peer {peer_id}: {describe(e)}"))
+            self._fail(peer_id, parts, code_of(e), f"peer {peer_id}: {describe(e)}")
         finally:
             receiver.reads.discard(task)
             peer.reading -= 1
+        if each_alone:
+            await asyncio.gather(*(self._read(peer_id, [p]) for p in parts))
 
     async def _receive(self, ep: Any, hdr: Any, header: np.ndarray, data_tag: Any, d: Descriptors,
                        staged: bool) -> None:
@@ -427,8 +477,8 @@ class UcxDataPlane(HostRegionPlane):
             return
         tag = self.ucxx.types.Tag
         try:
-            why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets,
-                                req.lengths)
+            why, d = check_read_parts(self._table, self._validator, req.request_id, req.regions, req.offsets,
+                                      req.lengths, req.parts)
         except Exception as e:  # refused as internal: the consumer hears at once, not at its deadline
             report("ucx serve", e, f"read for {req.request_id} from {peer}")
             why, d = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}"), Descriptors.from_rows([])

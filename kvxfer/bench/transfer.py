@@ -13,7 +13,11 @@ this process (the decode rank). For each pattern and size, in the same run:
   one Unix socket into the same destination blocks (no protocol, no threads); with ucxx
   installed, ``raw ucxx``: the same bytes as one tag message, and the same pieces one message
   each (64 in flight);
-- with ``--peers``: NIXL (UCX backend) and Mooncake (TCP) reading the same pieces.
+- with ``--peers``: NIXL (UCX backend) and Mooncake (TCP) reading the same pieces. NIXL runs
+  on three sets of UCX transports: its best on one host (``nixl``: CMA copies, as the cma
+  plane's), TCP only (``nixl-tcp``: the tcp plane's wire) and the ucx plane's set, everything
+  but CMA (``nixl-nocma``); a table after the main one sets each kvxfer plane against NIXL on
+  its own wire and on NIXL's best (JSON: ``against_nixl``).
 
 Each connector row also says where a load's time went (``stages``, from ``Connector.stats()``
 differenced over the trials, per load): queue (start_load until the consumer worker took it),
