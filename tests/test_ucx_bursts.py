@@ -17,34 +17,27 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from kvxfer.connectors.ucx import UcxDataPlane
+from test_cma_bursts import read_many
+from test_hold_board import NB, STRIDE, region
+from test_hold_board import Pair as CmaPair
 
-from kvxfer.cache.tensors import MemoryRegion
-from kvxfer.dataplane import BatchResult, Descriptors
+from kvxfer.dataplane import BatchResult
 from kvxfer.protocol import ErrorCode
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
 
 pytest.importorskip("ucxx")
 
-STRIDE = 4096
-NB = 64
+class Pair(CmaPair):
+    """test_hold_board's pair with ucx planes: a producer and a consumer in this process, the
+    producer's holds in a registry, the requests it serves counted (their parts)."""
 
-
-def region(a: np.ndarray) -> MemoryRegion:
-    return MemoryRegion(region_id=0, address=a.ctypes.data, length=a.nbytes, block_stride=STRIDE, num_blocks=NB,
-                        layers=(0, 1), kind="KV")
-
-
-class Pair:
-    """A producer and a consumer ucx plane in this process; the producer's holds in a registry,
-    its served requests counted."""
-
-    def __init__(self, options: dict[str, int] | None = None) -> None:
+    def __init__(self, options: dict[str, int] | None = None) -> None:  # not super's: it makes cma planes
         self.src = np.random.default_rng(1).integers(0, 255, NB * STRIDE, dtype=np.uint8)
         self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
         self.producer, self.consumer = UcxDataPlane(options), UcxDataPlane(options)
-        self.producer.register([region(self.src)])
-        self.consumer.register([region(self.dst)])
+        self.producer.register([region(0, self.src)])
+        self.consumer.register([region(0, self.dst)])
         layout = ParallelLayout(tp_size=1, pp_size=1, num_layers=1, num_kv_heads=1)
         self.holds = HoldRegistry(layout, 0, 0, NB, {0: (STRIDE, NB * STRIDE)}, 60.0, 600.0,
                                   region_layers={0: (0, 1)})
@@ -52,44 +45,25 @@ class Pair:
         self.served: list[int] = []
         serve = self.producer._serve_read
 
-        async def counted(req, client, chunk):  # type: ignore[no-untyped-def]
+        async def counted(req, client, chunk):
             self.served.append(len(req.parts) or 1)
             await serve(req, client, chunk)
 
-        self.producer._serve_read = counted  # type: ignore[method-assign]
+        self.producer._serve_read = counted
         self.consumer.connect("p", self.producer.address())
 
-    def read_many(self, reads: list[tuple[str, list[int], list[int]]]) -> dict[str, BatchResult]:
-        """(request id, remote blocks, local blocks) each, as one burst; each read's result."""
-        batches = self.consumer.read_many([("p", rid, descs(r, loc)) for rid, r, loc in reads])
-        out: dict[str, BatchResult] = {}
-        deadline = time.monotonic() + 20
-        while len(out) < len(batches) and time.monotonic() < deadline:
-            for res in self.consumer.poll():
-                out[res.request_id] = res
-            time.sleep(0.002)
-        assert sorted(r.batch_id for r in out.values()) == sorted(batches), out
-        return out
-
-    def arrived(self, remote: list[int], local: list[int]) -> bool:
-        return all(np.array_equal(self.src[r * STRIDE:(r + 1) * STRIDE], self.dst[i * STRIDE:(i + 1) * STRIDE])
-                   for r, i in zip(remote, local, strict=True))
+    def burst(self, reads: list[tuple[str, list[int], list[int]]]) -> dict[str, BatchResult]:
+        """(request id, remote blocks, local blocks) each, as one ``read_many``; each read's result."""
+        return {rid: res for (rid, _, _), res in zip(reads, read_many(self, reads), strict=True)}
 
     def close(self) -> None:
-        self.consumer.close()
-        self.producer.close()
+        super().close()
         rt = self.consumer.rt
         deadline = time.monotonic() + 5  # the retired receive worker is freed a second later: not in later tests
         while rt._retired and time.monotonic() < deadline:
             time.sleep(0.05)
         del self.consumer, self.producer  # their UCX objects' descriptors go now, not at a later test's collection
         gc.collect()
-
-
-def descs(remote: list[int], local: list[int]) -> Descriptors:
-    n = len(remote)
-    return Descriptors(np.zeros(n, np.int64), np.array(remote, np.int64) * STRIDE, np.zeros(n, np.int64),
-                       np.array(local, np.int64) * STRIDE, np.full(n, STRIDE, np.int64))
 
 
 @pytest.fixture
@@ -100,10 +74,10 @@ def pair() -> Iterator[Pair]:
 
 
 def test_a_burst_of_staged_reads_is_one_request_and_each_is_reported_alone(pair: Pair) -> None:
-    reads = [("a", [3, 9], [0, 1]), ("b", [10], [2]), ("c", [40, 41, 5], [3, 4, 5])]
+    reads = [("a", [3, 9], [0, 1]), ("b", [10], [2]), ("c", [20, 21, 5], [3, 4, 5])]
     for rid, remote, _ in reads:
         pair.holds.hold(rid, remote, 16 * len(remote))
-    out = pair.read_many(reads)
+    out = pair.burst(reads)
     assert all(out[rid].ok and out[rid].nbytes == len(r) * STRIDE for rid, r, _ in reads), out
     assert all(pair.arrived(r, loc) for _, r, loc in reads)
     assert pair.served == [3], "one request, of three parts"
@@ -112,7 +86,7 @@ def test_a_burst_of_staged_reads_is_one_request_and_each_is_reported_alone(pair:
 def test_a_refused_part_makes_each_read_ask_alone(pair: Pair) -> None:
     pair.holds.hold("a", [3], 16)
     pair.holds.hold("c", [7], 16)
-    out = pair.read_many([("a", [3], [0]), ("x", [5], [1]), ("c", [7], [2])])
+    out = pair.burst([("a", [3], [0]), ("x", [5], [1]), ("c", [7], [2])])
     assert out["a"].ok and out["c"].ok and pair.arrived([3, 7], [0, 2])
     assert not out["x"].ok and out["x"].code is ErrorCode.NOT_HELD
     assert not pair.dst[STRIDE:2 * STRIDE].any(), "the refused read wrote nothing"
@@ -124,7 +98,7 @@ def test_reads_of_large_pieces_are_not_joined() -> None:
     try:
         p.holds.hold("a", [1], 16)
         p.holds.hold("b", [2], 16)
-        out = p.read_many([("a", [1], [8]), ("b", [2], [9])])
+        out = p.burst([("a", [1], [8]), ("b", [2], [9])])
         assert out["a"].ok and out["b"].ok and p.arrived([1, 2], [8, 9])
         assert p.served == [1, 1]
     finally:

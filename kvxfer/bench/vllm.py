@@ -333,7 +333,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
     x = np.arange(len(names))
     w = 0.4 if busy else 0.8
     for ax, key, what in ((a, "ttft_p50_ms", "time to first token, p50 (ms)"),
-                          (b, "transfer_mean_ms", "KV transfer per request, mean (ms)")):
+                          (b, "transfer_mean_ms", "KV transfer per request, mean (ms; log scale)")):
         colors = ["#888" if n in NIXL_TLS else "#1f77b4" for n in names]
         bars = ax.bar(x - (w / 2 if busy else 0), [r[key] for r in rows], w, color=colors, label="decode idle")
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
@@ -343,6 +343,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.legend(fontsize=8)
         ax.set_xticks(x, names)
+        if key == "transfer_mean_ms":  # one stalled phase is 100x the rest: a linear axis hides them
+            ax.set_yscale("log")
         ax.set_ylabel(what)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"vLLM 1P1D, {prompt_tokens}-token prompts: NixlConnector (grey) vs KvxferConnector", fontsize=10)
