@@ -293,11 +293,13 @@ class UcxDataPlane(HostRegionPlane):
                 self.rt.submit(self._read(peer_id, [part]))
         for peer_id, parts in staged.items():
             group: list[_Part] = []
+            pieces = 0
             for part in parts:
-                if group and sum(len(p.d) for p in group) + len(part.d) > MAX_MERGED_PIECES:
+                if group and pieces + len(part.d) > MAX_MERGED_PIECES:
                     self.rt.submit(self._read(peer_id, group))
-                    group = []
+                    group, pieces = [], 0
                 group.append(part)
+                pieces += len(part.d)
             self.rt.submit(self._read(peer_id, group))
         return batch_ids
 

@@ -138,6 +138,7 @@ class Bench:
         self.layout = ParallelLayout.from_config(cfg)
         self.bytes_per_block = spec_from_config(cfg).bytes_per_block
         self.conc: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # --concurrency's requests
+        self._ahead: list[tuple[str, list[KVTransferParams]]] = []  # holds made ahead, per connector
 
     def run(self) -> list[dict[str, Any]]:
         args = self.args
@@ -216,6 +217,7 @@ class Bench:
     def _load_fn(self, name: str, conn: Conn, src: np.ndarray, dst: np.ndarray, poll: str) -> Callable[[], float]:
         src_ids, dst_ids, tokens = src.tolist(), dst.tolist(), len(src) * BLOCK
         ready: list[KVTransferParams] = []
+        self._ahead.append((name, ready))  # what the measurement leaves unused is released after it
 
         def load() -> float:
             """One pull, timed from start_load to the poll that reported it. The producer's holds are
@@ -264,7 +266,17 @@ class Bench:
                 on_warm()
 
         times = timed(fn, self.args.budget_s, min_trials, on_warm=warm)
+        self._release_ahead()
         return times, stage_breakdown(before, conn.stats())
+
+    def _release_ahead(self) -> None:
+        """Release the holds made ahead (``_load_fn``) that no trial used, so none waits out its lease."""
+        for name, ready in self._ahead:
+            if ready:
+                self.pipe.send(("release", name, [p.request_id for p in ready]))
+                self._recv()
+                ready.clear()
+        self._ahead.clear()
 
     @contextmanager
     def _spin(self, where: str, pair: peer_mod.PeerPair | None = None) -> Iterator[None]:
