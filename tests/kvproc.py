@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import signal
 import time
 import traceback
 from typing import Any
@@ -154,12 +155,15 @@ def producer_main(cfg_json: bytes, rank: int, requests: list[tuple], conn: Any,
 def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks: list[int], conn: Any,
                   num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
                   env: dict[str, str] | None = None, signal_first_write: bool = False,
-                  use_block_manager: bool = False, local_id: str | None = None) -> None:
+                  use_block_manager: bool = False, local_id: str | None = None,
+                  kill_on_first_write: list[int] | None = None) -> None:
     """Load one request, check it against the oracle, report (status, detail, elapsed).
 
     ``local_id`` is the id this side knows the request by (default: the producer's).
 
-    With ``signal_first_write`` it also says ("writing",) as soon as the first block changes.
+    With ``signal_first_write`` it also says ("writing",) as soon as the first block changes, after
+    SIGKILLing the pids in ``kill_on_first_write`` (here, not in the test's process: a kill sent from there
+    can land after the last byte on a loaded machine).
     With ``use_block_manager`` the blocks come from a BlockManager reservation (``local_blocks``
     is ignored); a failed load is discarded there, and the detail reports the free count."""
     import os
@@ -193,6 +197,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
         first = cache.tensors[0][local_blocks[0]]
         while time.monotonic() - t0 < timeout_s:
             if signal_first_write and bool(first.any()):
+                for pid in kill_on_first_write or []:
+                    os.kill(pid, signal.SIGKILL)
                 conn.send(("writing", None))
                 signal_first_write = False
             f = c.poll()

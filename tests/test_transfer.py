@@ -303,13 +303,12 @@ def test_cma_producer_dead_before_the_read_fails_the_load_with_its_blocks() -> N
     assert elapsed < 5.0 + 3.0
 
 
-def kill_with_children(pid: int) -> None:
-    """SIGKILL a process's children (its transfer agent), then the process: every byte it serves stops at once."""
+def with_children(pid: int) -> list[int]:
+    """A process's children (its transfer agent), then the process: SIGKILLed in this order, every byte it
+    serves stops at once."""
     kids = [int(k) for task in Path(f"/proc/{pid}/task").iterdir()
             for k in (task / "children").read_text().split()]
-    for k in kids:
-        os.kill(k, signal.SIGKILL)
-    os.kill(pid, signal.SIGKILL)
+    return [*kids, pid]
 
 
 # the kill must land while bytes move: two-sided planes only (see the cma case above)
@@ -320,13 +319,14 @@ def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn:
     dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0, data_path=path)
     pb = list(range(ntok // 16))
     with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
+        # the first block has arrived, the rest has not: the producer dies, its transfer agent with it (a
+        # machine or container lost; an agent whose engine alone died finishes serving from the shared cache).
+        # The consumer kills them the moment it sees the block.
         p, conn = start(consumer_main, enc(dcfg), 0, prod.params["req"].to_bytes(), [], signal_first_write=True,
-                        use_block_manager=True)
+                        use_block_manager=True, kill_on_first_write=(doomed := with_children(prod.procs[0][0].pid)))
+        assert len(doomed) == (2 if path == "agent" else 1), doomed  # the agent is up before the producer says ready
         recv(conn, 60)  # started
         msg = recv(conn, 30)
-        # the first block has arrived, the rest has not: the producer dies, its transfer agent with it (a
-        # machine or container lost; an agent whose engine alone died finishes serving from the shared cache)
-        kill_with_children(prod.procs[0][0].pid)
         assert msg[0] == "writing", msg
         status, detail, elapsed = recv(conn, 60)[1:]
         p.join(timeout=10)
