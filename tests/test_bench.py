@@ -3,6 +3,7 @@ JSON and plot (the numbers themselves are not asserted: these machines are noisy
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -72,6 +73,27 @@ def test_bench_transfer_refuses_partial_blocks() -> None:
     r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "transfer", "--tokens", "10"], capture_output=True,
                        text=True, timeout=60, cwd=REPO)
     assert r.returncode == 1 and "--tokens: expected multiples of 16" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "transfer", "--gap-ms", "-1"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 1 and "--gap-ms: expected >= 0, got -1" in r.stderr
+
+
+def test_spaced_trials_start_after_the_gap_which_the_budget_does_not_count() -> None:
+    """--gap-ms: each timed trial starts at least the gap after the previous one ended, and
+    the budget counts the trials, not the gaps (a budget as long as one gap still gets many trials)."""
+    from kvxfer.bench.transfer_cases import timed
+
+    spans: list[tuple[float, float]] = []
+
+    def trial() -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.001:
+            pass
+        spans.append((t0, time.monotonic()))
+
+    times = timed(trial, 0.02, min_trials=1, gap_s=0.02)
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(spans)]  # spans[0] is the warm-up
+    assert len(times) >= 3 and all(g >= 0.02 for g in gaps), gaps
 
 
 def test_bench_repack_writes_json(tmp_path: Path) -> None:

@@ -247,8 +247,9 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
 
     A case is a dict: ``op`` "read" (``descs``: rr, ro, lr, lo, ln; one request) or "many"
     (``reqs``: one such tuple per request, all in flight at once); ``src`` and ``dst`` (every
-    block, to check on arrival), ``budget``, and ``spin`` (a Python thread spinning in this
-    process meanwhile). Answers ("ok", {"times": [...], "lats": [...]}) or ("error", why)."""
+    block, to check on arrival), ``budget``, ``gap_s`` (idle before each trial), and ``spin`` (a
+    Python thread spinning in this process meanwhile). Answers ("ok", {"times": [...], "lats": [...]})
+    or ("error", why)."""
     from kvxfer.bench.transfer_cases import Spinner, check_arrived, clear, timed
 
     use_peer_env(name, ucx_env)
@@ -275,7 +276,7 @@ def consumer_main(name: str, make_cache: Callable[[], Any], ucx_env: dict[str, s
                 measure = functools.partial(peer.read, *case["descs"])
             spinner.set(case.get("spin", False))
             try:
-                times = timed(measure, case["budget"], on_warm=lats.clear)
+                times = timed(measure, case["budget"], on_warm=lats.clear, gap_s=case.get("gap_s", 0.0))
             finally:
                 spinner.set(False)
             check_arrived(cache, case["src"], case["dst"], name)

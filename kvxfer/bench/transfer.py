@@ -38,6 +38,11 @@ in a process of its own: the same lost core without any GIL, the control that te
 busy engine costs through its GIL from what it costs by taking a core (on a 2-core machine,
 a spinning thread takes half of it).
 
+``--gap-ms G``: every trial of every row (connectors, peers, baselines) starts after G ms idle,
+as requests arrive in serving, instead of back to back. On a VM a process that idled for
+milliseconds runs its next steps from cold caches and a sleeping CPU: a row's back-to-back and
+spaced figures differ by that, for kvxfer (whose agents sleep between loads) and NIXL alike.
+
 Each connector's ``ratio`` is against its own transport's raw baseline (tcp and Mooncake:
 raw socket; ucx and NIXL: raw ucxx, one message when contiguous, the pieces when random);
 ``x memcpy`` is against memcpy. Times are medians over trials run until a time budget.
@@ -133,6 +138,7 @@ class Bench:
         self.cases: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, Descriptors]] = {}
         self.baselines: dict[tuple[str, int], dict[str, dict[str, float]]] = {}
         self.spinner = Spinner()
+        self.gap_s = args.gap_ms / 1000
         self.bare_planes: list[Any] = []  # made for the raw ucxx baseline (see ucx_runtime_plane)
         cfg = make_cfg("decode", "tcp", self.num_blocks)
         self.layout = ParallelLayout.from_config(cfg)
@@ -265,7 +271,7 @@ class Bench:
             if on_warm is not None:
                 on_warm()
 
-        times = timed(fn, self.args.budget_s, min_trials, on_warm=warm)
+        times = timed(fn, self.args.budget_s, min_trials, on_warm=warm, gap_s=self.gap_s)
         self._release_ahead()
         return times, stage_breakdown(before, conn.stats())
 
@@ -348,7 +354,8 @@ class Bench:
                             descs: tuple[np.ndarray, ...] = descs) -> tuple[list[float], None]:
                     with self._spin(where, pair):
                         status, r = pair.measure({"op": "read", "src": src, "dst": dst, "descs": descs,
-                                                  "budget": self.args.budget_s, "spin": where == "consumer"})
+                                                  "budget": self.args.budget_s, "spin": where == "consumer",
+                                                  "gap_s": self.gap_s})
                     if status != "ok":
                         raise RuntimeError(r)
                     return r["times"], None
@@ -381,10 +388,11 @@ class Bench:
             return d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length
 
         budget = self.args.budget_s
-        status, one = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget})
+        status, one = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget,
+                                    "gap_s": self.gap_s})
         if status == "ok":
             status, many = pair.measure({"op": "many", "src": src, "dst": dst, "reqs": [tup(p) for p in parts],
-                                         "budget": budget})
+                                         "budget": budget, "gap_s": self.gap_s})
         if status != "ok":
             self.skipped[f"{name} --concurrency"] = str(one if status != "ok" and not isinstance(one, dict) else many)
             return
@@ -427,7 +435,7 @@ class Bench:
                 self._busy_rows(name, "connector", pat, tokens, nbytes, self.polls, measure,
                                 {self.poll: (times, stages)})
         baselines = {"memcpy": stat(timed(lambda: self.memcpy_dst[:nbytes].copy_(self.memcpy_src[:nbytes]),
-                                          budget), nbytes)}
+                                          budget, gap_s=self.gap_s), nbytes)}
         baselines["raw socket"] = stat(self._raw_socket(descs, budget), nbytes)
         if self.ucx_raw is not None:
             baselines.update(self._raw_ucxx(descs, budget))
@@ -504,7 +512,7 @@ class Bench:
             recv_pieces(self.raw, local, time.monotonic() + 120)
 
         try:
-            return timed(one, budget)
+            return timed(one, budget, gap_s=self.gap_s)
         finally:
             self.raw.sendall(b"s")
 
@@ -529,8 +537,8 @@ class Bench:
             fut.result(300)
             self._recv()
 
-        return {"raw ucxx (one message)": stat(timed(one, budget), nbytes),
-                "raw ucxx (pieces)": stat(timed(pieces, budget / 2, min_trials=2), nbytes)}
+        return {"raw ucxx (one message)": stat(timed(one, budget, gap_s=self.gap_s), nbytes),
+                "raw ucxx (pieces)": stat(timed(pieces, budget / 2, min_trials=2, gap_s=self.gap_s), nbytes)}
 
     def _print_case(self, pat: str, tokens: int) -> None:
         for r in self.records:
@@ -548,6 +556,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also measure NIXL (on three transport sets: nixl, nixl-tcp, nixl-nocma) and Mooncake "
                          "when installed")
     ap.add_argument("--budget-s", type=float, default=1.0, help="time spent on each measurement's trials")
+    ap.add_argument("--gap-ms", type=float, default=0.0, metavar="MS",
+                    help="idle time before every trial of every row, peers and baselines too (default 0: back to "
+                         "back): requests that arrive spaced, as a serving engine's do")
     ap.add_argument("--concurrency", type=int, nargs="?", const=64, default=0, metavar="N",
                     help="also N requests (default 64) of --blocks random blocks each in flight at once, against "
                          "one request of all their blocks")
@@ -570,6 +581,9 @@ def run(args: argparse.Namespace) -> int:
         if t < 1 or t % BLOCK:
             print(f"error: --tokens: expected multiples of {BLOCK} (whole blocks), got {t}", file=sys.stderr)
             return 1
+    if args.gap_ms < 0:
+        print(f"error: --gap-ms: expected >= 0, got {args.gap_ms:g}", file=sys.stderr)
+        return 1
     if args.concurrency < 0 or args.blocks < 1:
         print("error: --concurrency and --blocks: expected positive counts", file=sys.stderr)
         return 1
@@ -578,7 +592,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvxfer bench transfer: Llama-3-8B-like cache (32 layers, K+V, 8 kv heads, head 128, bf16, block 16); "
           f"{machine}")
     print(f"connectors: {', '.join(bench.names) or 'none'}; peers: {', '.join(bench.peers) or 'off (--peers)'}; "
-          f"poll: {bench.poll}; data path: {args.data_path or 'default'}")
+          f"poll: {bench.poll}; data path: {args.data_path or 'default'}"
+          + (f"; {args.gap_ms:g} ms idle before each trial" if args.gap_ms else ""))
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
@@ -588,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"machine": machine, "skipped": bench.skipped, "records": records,
                                "against_nixl": comparisons,
-                               "poll": bench.poll, "data_path": args.data_path,
+                               "poll": bench.poll, "data_path": args.data_path, "gap_ms": args.gap_ms,
                                "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records})
     if args.plot:
         write_plots(args.plot, f"kvxfer bench transfer, two processes on one host ({machine})", records,

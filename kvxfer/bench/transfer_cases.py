@@ -259,16 +259,20 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
 # ------------------------------------------------------------------ timing
 
 def timed(fn: Callable[[], object], budget_s: float, min_trials: int = 3,
-          max_trials: int = 200, on_warm: Callable[[], object] | None = None) -> list[float]:
+          max_trials: int = 200, on_warm: Callable[[], object] | None = None, gap_s: float = 0.0) -> list[float]:
     """Run ``fn`` once to warm up (then ``on_warm``), then until the budget is spent (at least
     ``min_trials``). A trial lasts as long as ``fn`` ran, or, when it returns a float, that many
-    seconds (the part it times itself)."""
+    seconds (the part it times itself). ``gap_s``: this long idle before each trial (not counted
+    in the budget): requests that arrive spaced, as serving's do, not back to back."""
     fn()
     if on_warm is not None:
         on_warm()
     times: list[float] = []
-    start = time.monotonic()
-    while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start < budget_s):
+    start, slept = time.monotonic(), 0.0
+    while len(times) < max_trials and (len(times) < min_trials or time.monotonic() - start - slept < budget_s):
+        if gap_s > 0:
+            time.sleep(gap_s)
+            slept += gap_s
         t0 = time.perf_counter()
         took = fn()
         times.append(took if isinstance(took, float) else time.perf_counter() - t0)
