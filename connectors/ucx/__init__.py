@@ -493,9 +493,12 @@ class UcxDataPlane(HostRegionPlane):
         payload = encode(reply)
         header = np.zeros(HEADER_BYTES, dtype=np.uint8)
         header[: 4 + len(payload)] = np.frombuffer(REPLY_LENGTH.pack(len(payload)) + payload, dtype=np.uint8)
+        # the header goes while the first chunk is gathered (a staged 1-block reply: ~0.1 ms sooner)
+        header_sent = asyncio.ensure_future(ep.send(header, tag=tag(message_tag(plane, KIND_HEADER, req.batch_id)),
+                                                    force_tag=True))
         try:
-            await ep.send(header, tag=tag(message_tag(plane, KIND_HEADER, req.batch_id)), force_tag=True)
             if why:
+                await header_sent
                 return
             data_tag = tag(message_tag(plane, KIND_DATA, req.batch_id))
             if chunk:
@@ -505,9 +508,11 @@ class UcxDataPlane(HostRegionPlane):
                 for (a, b), size in zip(chunks, sizes, strict=True):
                     gather_pieces(self._arrays, regions[a:b], offsets[a:b], lengths[a:b], buf,
                                   self._address_space())
+                    await header_sent
                     await ep.send(buf[:size], tag=data_tag, force_tag=True)
                 self._send_staging.give(buf)  # not on a failure: a send may still read from it
             else:
+                await header_sent
                 arrs = self._arrays
                 views = [arrs[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
                                                                 strict=True)]
@@ -515,6 +520,8 @@ class UcxDataPlane(HostRegionPlane):
                     await asyncio.gather(*(ep.send(v, tag=data_tag, force_tag=True)
                                            for v in views[i : i + self.inflight]))
         except Exception as e:
+            if not header_sent.done():  # a gather failed first: the header's outcome is still collected
+                await asyncio.gather(header_sent, return_exceptions=True)
             self._refuse_once(peer, ErrorCode.PEER_LOST, f"send for {req.request_id} failed: {e}")
 
     # ------------------------------------------------------------------ both
