@@ -180,8 +180,8 @@ class Channel:
 
         ``spin_s``: for an answer that comes within microseconds (the agent's reply to a command),
         first wait this long with the GIL kept, reading without blocking and yielding the CPU
-        between reads; a wait that released it lets a thread of this process that is busy in
-        Python take it, and getting it back can cost up to a switch interval (5 ms)."""
+        between reads; a wait that released the GIL would cost a switch interval (5 ms) when
+        another thread of this process is busy in Python."""
         if spin_s > 0:
             give_up = time.monotonic() + min(spin_s, timeout_s if timeout_s is not None else spin_s)
             while (msg := self._frame()) is None:
