@@ -37,9 +37,6 @@ _NOW = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 
 
-yield_cpu = _libc.sched_yield  # the CPU to another task, the GIL kept
-
-
 class _PollFd(ctypes.Structure):
     _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
 
@@ -175,24 +172,8 @@ class Channel:
         self._buf += memoryview(self._chunk)[:n]
         return True
 
-    def recv(self, timeout_s: float | None, spin_s: float = 0.0) -> Any | None:
-        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout.
-
-        ``spin_s``: for an answer that comes within microseconds (the agent's reply to a command),
-        first wait this long with the GIL kept, reading without blocking and yielding the CPU
-        between reads; a wait that released the GIL would cost a switch interval (5 ms) when
-        another thread of this process is busy in Python."""
-        if spin_s > 0:
-            give_up = time.monotonic() + min(spin_s, timeout_s if timeout_s is not None else spin_s)
-            while (msg := self._frame()) is None:
-                if not self._take_now():
-                    if time.monotonic() >= give_up:
-                        break
-                    yield_cpu()
-            else:
-                return msg
-            if timeout_s is not None:
-                timeout_s = max(0.0, timeout_s - spin_s)
+    def recv(self, timeout_s: float | None) -> Any | None:
+        """The next message, waiting up to ``timeout_s`` (None: forever); None on timeout."""
         if timeout_s is None:
             while (msg := self._frame()) is None:
                 self._fill(None)

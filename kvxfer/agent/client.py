@@ -17,6 +17,8 @@ across a blocking call.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvxfer.agent.channel import Channel, ChannelClosed, yield_cpu
+from kvxfer.agent.channel import Channel, ChannelClosed
 from kvxfer.agent.messages import (
     AbandonLoad,
     Close,
@@ -69,10 +71,10 @@ from kvxfer.transfer.load import checked_load_ids
 
 logger = logging.getLogger(__name__)
 
+_sched_yield = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").sched_yield  # PyDLL: keeps the GIL
 
 AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
 COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
-REPLY_SPIN_S = 0.002  # an answer is waited for this long with the GIL kept (Channel.recv's spin_s)
 # past a load's deadline the agent itself fails it; this much later, we do (kill it: hung). Generous: an
 # agent starved of CPU on a loaded host (seen with a load average of 50 on 2 cores) is late, not hung
 AGENT_GRACE_S = 15.0
@@ -277,7 +279,7 @@ class AgentConnector:
             try:
                 self._commands.send(cmd, timeout_s)
                 if answered:
-                    reply = self._commands.recv(timeout_s, spin_s=REPLY_SPIN_S)
+                    reply = self._commands.recv(timeout_s)
                     if reply is None:
                         self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
             except TimeoutError as e:
@@ -503,7 +505,7 @@ class AgentConnector:
             # an engine that polls in a loop keeps its core busy while its loads need the agent's
             # threads to run: offer the core to them (a system call when nobody else wants it).
             # The GIL is kept: released, a busy thread of the engine would hold it for a switch interval.
-            yield_cpu()
+            _sched_yield()
         return out
 
     def _read_events(self, timeout_s: float, out: Finished) -> None:
