@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -414,3 +415,47 @@ def test_a_busy_polling_engine_offers_its_core_while_its_loads_are_in_flight(
     for _ in range(5):
         c.poll()
     assert len(yields) >= 4  # one poll may have found the load failed
+
+
+@pytest.mark.parametrize("takes", ["sends", "declines", "raises"])
+def test_what_the_consumer_worker_finishes_goes_to_its_taker_or_wakes_the_waiters(takes: str) -> None:
+    """The agent sends what the consumer's worker thread finished from that thread
+    (``worker_takes_done``: no hand-off to its event thread). A taker that declines or raises
+    leaves it to the waiters, who are woken: a poll that waits returns with it at once."""
+    p, pt = make(cfg("prefill", data_path="engine"), fill=3)
+    c, ct = make(cfg("decode", data_path="engine"))
+    assert isinstance(c, Connector) and c.consumer is not None
+    consumer = c.consumer
+    calls: list[tuple[str, list[str]]] = []
+
+    def taker() -> bool:
+        if takes == "raises":
+            raise RuntimeError("the taker failed")
+        if takes == "declines":
+            calls.append((threading.current_thread().name, []))
+            return False
+        calls.append((threading.current_thread().name, consumer.poll(0.0).receiving))  # as the agent's _flush
+        return True
+
+    consumer.worker_takes_done = taker
+    try:
+        params = p.hold("r1", [4, 5], 32)
+        c.start_load("r1", params, [9, 10])  # the first load handshakes: the worker begins and finishes it
+        t0 = time.monotonic()
+        if takes == "sends":
+            deadline = t0 + 30
+            while not calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert calls == [(consumer._worker.name, ["r1"])]
+            assert c.poll(0.0).receiving == []  # taken: the engine's poll does not see it again
+        else:
+            out = c.poll(30.0)  # woken when the taker declines: not the whole 30 s
+            assert out.receiving == ["r1"], out.errors
+            assert time.monotonic() - t0 < 20, "the waiter was not woken"
+            if takes == "declines":
+                assert [name for name, _ in calls] == [consumer._worker.name]
+        for a, b in zip(pt, ct, strict=True):
+            assert torch.equal(a[[4, 5]].view(torch.uint8), b[[9, 10]].view(torch.uint8))
+    finally:
+        c.close()
+        p.close()

@@ -12,7 +12,8 @@ are started as one burst, so the connector can copy them together); the event th
 the connector to finish something and sends it. Both send events through ``_flush``, under
 ``_events_lock`` (one sender, events in order; ``_pending`` and ``_broken`` are its): the main
 thread right after a ``StartLoad`` (after the last of a burst of them already sent), so a load the
-consumer's fast path finished there goes out at once, with no hand-off to the event thread. Refused
+consumer's fast path finished there goes out at once, with no hand-off to the event thread; the
+consumer's worker thread, likewise, after a turn that finished loads (``worker_takes_done``). Refused
 loads wait in ``_refused`` (``_refused_lock``).
 Nothing else in the process touches the channels.
 """
@@ -104,6 +105,7 @@ class Agent:
         conn = self.conn
         if conn.consumer is not None:
             conn.consumer.caller_takes_done = True  # _flush_now sends what a load finished at once
+            conn.consumer.worker_takes_done = self._flush_from_worker  # and the worker what it finished
         self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
         notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
@@ -307,6 +309,14 @@ class Agent:
             report("agent events", e, "sending after a load")
         if not sent:
             conn.consumer.wake_waiters()
+
+    def _flush_from_worker(self) -> bool:
+        """The consumer's worker, after a turn that finished loads: send them from there, not
+        through the event thread (a thread hand-off less per load). False: the event thread must."""
+        try:
+            return self._flush(wait=False)
+        except ChannelClosed:
+            return True  # the engine is gone: nobody to send to
 
     def _send_events(self) -> None:
         conn = self.conn

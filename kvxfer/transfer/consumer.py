@@ -154,6 +154,10 @@ class Consumer(PushReceiver):
         # True: whoever calls start_load takes what the fast path finished itself (the agent's
         # command thread sends it at once), so no waiter is woken for it
         self.caller_takes_done = False
+        # Called on the worker thread after a turn that finished something: True if it took it
+        # (the agent sends its event from here), so no waiter is woken: a thread hand-off less
+        # per load. False or raising: waiters are woken as usual.
+        self.worker_takes_done: Callable[[], bool] | None = None
         plane.set_completion_callback(self._wake)
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._worker.start()
@@ -363,7 +367,20 @@ class Consumer(PushReceiver):
                     next_renew = self._turn(job, next_renew)
             except Exception as e:  # a bug outside the guarded steps: logged, and the worker goes on
                 report("consumer worker", e)
+            if self.worker_takes_done is not None and self._done and not self._ready.is_set():
+                self._hand_over_done()  # finished this turn, no waiter woken yet
         self.client.close_thread()
+
+    def _hand_over_done(self) -> None:
+        """Worker thread: give what this turn finished to ``worker_takes_done``, or wake the waiters."""
+        taken = False
+        if self.worker_takes_done is not None:
+            try:
+                taken = self.worker_takes_done()
+            except Exception as e:
+                report("consumer worker: handing over what finished", e, "(the waiters are woken instead)")
+        if not taken and self._done:
+            self._ready.set()
 
     def _turn(self, job: Job | None, next_renew: float) -> float:
         """One turn of the worker: the job, the plane's finished batches, retries, deadlines, renewals."""
@@ -682,9 +699,13 @@ class Consumer(PushReceiver):
     def _signal_done(self) -> None:
         """Caller holds the lock: ``_done`` gained something. Waiters are woken, but not from the
         fast path: ``_begin_here`` wakes them when it ends, unless ``caller_takes_done`` (waking
-        the agent's event thread would cost a hand-off of the GIL for nothing)."""
-        if not getattr(self._here, "on", False):
-            self._ready.set()
+        the agent's event thread would cost a hand-off of the GIL for nothing); nor from the
+        worker when ``worker_takes_done`` is set: ``_run`` hands it over at the end of the turn."""
+        if getattr(self._here, "on", False):
+            return
+        if self.worker_takes_done is not None and threading.current_thread() is self._worker:
+            return
+        self._ready.set()
 
     def _outcome(self, request_id: str, ok: bool) -> None:
         """Caller holds the lock: remember how a load ended, for ``wait_layer``."""
