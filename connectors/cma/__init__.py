@@ -26,7 +26,8 @@ deadline: either way the batch fails within ``timeout_s`` and nothing more is wr
 
 A copy of more than ``inline_copy_bytes`` is cut into parts that the reading thread and the
 plane's copy threads copy at once (:mod:`.copier`); it is still done when the reading thread's
-call returns.
+call returns. The copies themselves are in :mod:`.memory`; the producer's grant thread in
+:mod:`.grants`.
 
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
@@ -38,8 +39,6 @@ cut into parts of at least this size, one per copying thread; one 2 MiB block is
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import logging
 import os
@@ -65,62 +64,26 @@ from kvxfer.dataplane import (
     check_bounds,
     check_read,
 )
-from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
 from .copier import CopyHelpers, cut
+from .grants import GrantServer
+from .memory import Peeker, copy_from, iovecs
 
 logger = logging.getLogger(__name__)
 
 OPTIONS = {"timeout_s", "host", "one_sided", "copy_threads", "inline_copy_bytes"}
-MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
-IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per process_vm_readv call
 GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
 DISCONNECT_WAIT_S = 5.0  # disconnect waits this long at most for the read thread to drop the peer
 _NO_JOB = object()
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_readv = _libc.process_vm_readv
-_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-_readv.restype = ctypes.c_ssize_t
-# the same call with the GIL kept: a read of a few bytes takes a microsecond, and releasing the GIL
-# for it would let every thread waiting for the GIL run first
-_peekv = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).process_vm_readv
-_peekv.argtypes = _readv.argtypes
-_peekv.restype = ctypes.c_ssize_t
-PEEK_MAX = 1 << 20  # reads up to this size (board rows, a hold's block ids) keep the GIL
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
 MAX_DEFAULT_COPY_THREADS = 3  # default copy_threads: the CPUs this process may use, less one, at most this
 INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a larger copy is cut in parts of at least this size
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-class Peeker:
-    """Small reads of one process's memory (the hold board), the GIL kept; one thread at a time."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._local = _Iovec()
-        self._remote = _Iovec()
-
-    def __call__(self, address: int, nbytes: int) -> np.ndarray:
-        if not 0 < nbytes <= PEEK_MAX:
-            raise OSError(f"a read of {nbytes} bytes from pid {self.pid} is not a small read")
-        out = np.empty(nbytes, dtype=np.uint8)
-        self._local.base, self._local.len = out.ctypes.data, nbytes
-        self._remote.base, self._remote.len = address, nbytes
-        got = _peekv(self.pid, ctypes.byref(self._local), 1, ctypes.byref(self._remote), 1, 0)
-        if got != nbytes:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {self.pid}: {os.strerror(err) if got < 0 else 'short'}")
-        return out
 
 
 def _boot_id() -> str:
@@ -209,43 +172,6 @@ class _Read:
     local: np.ndarray  # each piece's local region's address
 
 
-def copy_from(pid: int, local: np.ndarray, remote: np.ndarray, keep_gil: bool = False,
-              nbytes: int | None = None) -> None:
-    """Copy the pieces ``remote`` [n, 2] (address, length) of process ``pid`` into ``local`` [n, 2];
-    IOV_MAX at a time, the GIL released during each call unless ``keep_gil`` (a short copy: a
-    busy thread of this process then cannot make the caller wait for the GIL afterwards).
-    ``nbytes``: the pieces' total, when the caller knows it. Raises OSError on any failure or
-    short copy."""
-    call = _peekv if keep_gil else _readv
-    if len(local) <= IOV_MAX and local.flags.c_contiguous and remote.flags.c_contiguous:  # the usual case
-        want = int(local[:, 1].sum()) if nbytes is None else nbytes
-        got = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
-        if got != want:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: "
-                          f"{os.strerror(err) if got < 0 else f'short copy, {got} of {want} bytes'}")
-        return
-    for a in range(0, len(local), IOV_MAX):
-        lo, re = np.ascontiguousarray(local[a : a + IOV_MAX]), np.ascontiguousarray(remote[a : a + IOV_MAX])
-        want = int(lo[:, 1].sum())
-        got = call(pid, lo.ctypes.data, len(lo), re.ctypes.data, len(re), 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-        if got != want:
-            raise OSError(f"process_vm_readv from pid {pid}: short copy, {got} of {want} bytes")
-
-
-def _iovecs(d: Descriptors, local: np.ndarray, remote: np.ndarray) -> np.ndarray:
-    """[local, remote] x piece x (address, length) of ``d``'s pieces; ``local``/``remote``: each
-    piece's region's address on either side."""
-    iov = np.empty((2, len(d), 2), dtype=np.int64)
-    np.add(local, d.local_offset, out=iov[0, :, 0])
-    np.add(remote, d.remote_offset, out=iov[1, :, 0])
-    iov[:, :, 1] = d.length
-    return iov
-
-
 def _copy_part(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
     copy_from(pid, local, remote, nbytes=nbytes)
 
@@ -285,21 +211,13 @@ class CmaDataPlane(HostRegionPlane):
         self.granted_reads = 0  # reads that asked the producer
         self._ids = itertools.count(1)
         self._closed = False
-        self._refused: set[tuple[str, str]] = set()
-        self._names: dict[bytes, str] = {}  # control identity -> the engine id it said hello as
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._ctrl = self._ctx.socket(zmq.ROUTER)
-        self._ctrl.setsockopt(zmq.LINGER, 0)
-        self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        host = str(self.options.get("host", "127.0.0.1"))
-        self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
+        self._grant_server = GrantServer(str(self.options.get("host", "127.0.0.1")), self._check_grant)  # producer side
         self._jobs: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._waiting: dict[int, _Awaited] = {}  # batch id -> its awaited grant (the read thread's)
         self._wake_r, self._wake_w = os.pipe()  # a queued job wakes the read thread from its grant wait
         os.set_blocking(self._wake_w, False)
-        self._serve_thread = threading.Thread(target=self._serve, name="kvxfer-cma-grants", daemon=True)
         self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
-        self._serve_thread.start()
         self._read_thread.start()
         # copies larger than inline_copy_bytes are cut in parts these threads help with (copier.py)
         self._helpers = CopyHelpers(self.copy_threads, _copy_part) if self.copy_threads else None
@@ -309,8 +227,9 @@ class CmaDataPlane(HostRegionPlane):
         regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
         strides = {rid: r.block_stride for rid, r in self._regions.items()}
         board = (0, 0) if self._board is None else (self._board.address, self._board.rows)
-        return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(), control=self._ctrl_addr,
-                                                 regions=regions, strides=strides, board=board))
+        return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(),
+                                                 control=self._grant_server.address, regions=regions,
+                                                 strides=strides, board=board))
 
     def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
         if self._board is None:
@@ -439,7 +358,7 @@ class CmaDataPlane(HostRegionPlane):
     def _copy_here(self, r: _Read, peer: _Peer, remote: np.ndarray, row: np.ndarray) -> BatchResult:
         """A one-sided read the board allowed, copied on this thread. Caller holds _direct_lock."""
         try:
-            iov = _iovecs(r.d, r.local, remote)
+            iov = iovecs(r.d, r.local, remote)
             self._copy(peer.addr.pid, iov, r.d.nbytes)
         except Exception as e:
             return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)
@@ -455,7 +374,7 @@ class CmaDataPlane(HostRegionPlane):
         results: list[BatchResult] = []
         for pid, group in by_pid.items():
             try:
-                iov = np.concatenate([_iovecs(r.d, r.local, remote) for r, _, remote, _ in group], axis=1)
+                iov = np.concatenate([iovecs(r.d, r.local, remote) for r, _, remote, _ in group], axis=1)
                 self._copy(pid, iov, sum(r.d.nbytes for r, _, _, _ in group))
             except TimeoutError as e:  # a helper may still be copying: no read of the group may stand
                 results.extend(self._read_failed(r.peer_id, r.request_id, r.batch_id, e) for r, _, _, _ in group)
@@ -613,7 +532,7 @@ class CmaDataPlane(HostRegionPlane):
         try:
             if reply.error:
                 raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-            self._copy(peer.addr.pid, _iovecs(w.d, w.local, peer.base[w.pos]), w.d.nbytes)
+            self._copy(peer.addr.pid, iovecs(w.d, w.local, peer.base[w.pos]), w.d.nbytes)
         except Exception as e:
             if not isinstance(e, OSError | ReadRefused | ValueError):
                 report("cma reads", e, f"read for {w.request_id} from {peer_id}")
@@ -623,7 +542,7 @@ class CmaDataPlane(HostRegionPlane):
             self._finish(BatchResult(reply.batch_id, peer_id, w.request_id, w.d.nbytes, None))
 
     def _copy(self, pid: int, iov: np.ndarray, nbytes: int) -> None:
-        """Copy the pieces ``iov`` (``_iovecs``: [local, remote] x piece x (address, length)), of
+        """Copy the pieces ``iov`` (``iovecs``: [local, remote] x piece x (address, length)), of
         ``nbytes`` in all, from process ``pid``."""
         if self._helpers is not None and nbytes > self.inline_copy_bytes:  # cut in parts, copied at once
             bounds = cut(iov[0, :, 1], min(self.copy_threads + 1, nbytes // max(self.inline_copy_bytes, 1)))
@@ -650,51 +569,12 @@ class CmaDataPlane(HostRegionPlane):
                 np.array([self._regions[int(i)].address for i in ids], dtype=np.int64), {})
 
     # ------------------------------------------------------------------ producer
-    def _serve(self) -> None:
-        """The grant thread (producer side). Supervised: only closing the plane ends it."""
-        serve_socket("cma grants", self._ctrl, self._on_control, lambda: self._closed)
-        self._ctrl.close(linger=0)
-
-    def _on_control(self, parts: list[bytes]) -> None:
-        if len(parts) != 2:
-            return
-        ident, payload = parts
-        kind, body = payload[:1], payload[1:]
-        if kind == b"H":
-            self._names[ident] = body.decode(errors="replace")[:256]
-            return
-        peer = self._names.get(ident, "a consumer that never said hello")
-        try:
-            msg = decode_data(body)
-        except Exception as e:  # malformed: logged once, unanswered
-            self._refuse_once(peer, ErrorCode.BAD_MESSAGE, f"undecodable grant request: {e}")
-            return
-        if isinstance(msg, ReadRequest):
-            try:
-                reply = self._grant(msg, peer)
-            except Exception as e:  # a bug in the check: refused, named, and the next grant is served
-                report("cma grants", e, f"read for {msg.request_id} from {peer}")
-                reply = ReadReply(batch_id=msg.batch_id, nbytes=0, error=f"granting the read failed: {describe(e)}",
-                                  code=ErrorCode.INTERNAL)
-            self._ctrl.send_multipart([ident, encode(reply)])
-
-    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
-        key = (peer, code.value)
-        if key not in self._refused:
-            self._refused.add(key)
-            logger.warning("cma data plane refused peer %s: %s", peer, why)
-
-    def _grant(self, req: ReadRequest, peer: str) -> ReadReply:
+    def _check_grant(self, req: ReadRequest) -> tuple[Refusal | None, int]:
+        """A consumer's grant request against this side's regions, holds and tokens (grant thread)."""
         if self._token_checker is not None and not self._token_checker(req.token):
-            why: Refusal | None = Refusal(ErrorCode.AUTH, "no valid handshake token")
-            nbytes = 0
-        else:
-            why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
-            nbytes = d.nbytes
-        if why:
-            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
-            return ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
-        return ReadReply(batch_id=req.batch_id, nbytes=nbytes)
+            return Refusal(ErrorCode.AUTH, "no valid handshake token"), 0
+        why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
+        return why, d.nbytes
 
     # ------------------------------------------------------------------ both
     def broken(self) -> str | None:
@@ -713,7 +593,7 @@ class CmaDataPlane(HostRegionPlane):
         self._jobs.put(None)
         self._wake()
         self._read_thread.join(timeout=5)
-        self._serve_thread.join(timeout=5)
+        self._grant_server.close()
         if self._helpers is not None:
             self._helpers.close()
         if not self._read_thread.is_alive():
