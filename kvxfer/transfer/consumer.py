@@ -14,7 +14,6 @@ can never write into blocks this rank has released.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import queue
@@ -25,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvxfer.cache.tensors import KVCache, MemoryRegion
-from kvxfer.dataplane import BatchResult, DataPlane, Descriptors
+from kvxfer.cache.tensors import KVCache
+from kvxfer.dataplane import BatchResult, DataPlane
 from kvxfer.handshake import HandshakeError, SideChannelClient
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import (
@@ -37,7 +36,7 @@ from kvxfer.protocol import (
     RemoteRank,
 )
 from kvxfer.supervise import code_of, describe, report
-from kvxfer.topology import ParallelLayout, SourceSlice, readers_of, remote_sources
+from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.load import (
     AbandonRequest,
@@ -56,21 +55,16 @@ from kvxfer.transfer.load import (
     Wake,
     checked_load_ids,
 )
+from kvxfer.transfer.load_planner import LoadPlanner
 from kvxfer.transfer.notifier import Notifier, renewals
 from kvxfer.transfer.peers import PeerTable
-from kvxfer.transfer.planner import (
-    SideLayout,
-    concat,
-    finish_staged,
-    plan_staged,
-)
+from kvxfer.transfer.planner import SideLayout, finish_staged
 from kvxfer.transfer.push_receiver import PushReceiver
 
 __all__ = ["AlreadyLoading", "Consumer", "LoadFailed"]
 
 logger = logging.getLogger(__name__)
 
-STAGING_REGION_BASE = 1 << 30
 READ_AGAIN_AFTER_S = 0.02  # a read refused as "not held" is sent again this soon (within hold_wait_s)
 BROKEN_AFTER_POLL_ERRORS = 20  # the plane's poll raising on this many turns in a row (about a second): broken
 JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, retries)
@@ -128,8 +122,9 @@ class Consumer(PushReceiver):
         self.clock = clock
         self.on_loaded = on_loaded  # e.g. copy the loaded blocks from a host mirror to the device
         self.local_side = SideLayout.from_cache(cache)
-        self._bytes_per_block = cache.spec.bytes_per_block  # the fast path's size test (a chain of properties)
         self.stats = metrics or ConnectorMetrics(engine_id, rank, plane.name)
+        self.planner = LoadPlanner(layout, tp_rank, pp_rank, self.local_side, plane, self.stats)  # turn-lock holder's
+        self._bytes_per_block = cache.spec.bytes_per_block  # the fast path's size test (a chain of properties)
         self.peers = PeerTable(engine_id, rank, layout, cache.spec, model, secret, client, plane, self.stats)
         self._in_flight: dict[int, Batch] = {}  # the plane's batch id -> the read
         self._read_again: list[Batch] = []
@@ -144,11 +139,8 @@ class Consumer(PushReceiver):
         self._lock = threading.Lock()
         self._layer_cv = threading.Condition(self._lock)  # push: a layer landed, or a load finished
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not (wait_layer)
-        self._staging_ids = itertools.count(STAGING_REGION_BASE)
         self._stop = threading.Event()
         self._turn_lock = threading.Lock()  # who holds it owns the worker's state (see the class doc)
-        self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}  # the turn-lock holder's
-        self._unread: dict[ParallelLayout, frozenset[int]] = {}  # the turn-lock holder's
         self._here = threading.local()  # .on: this thread is on the fast path (it takes what finishes)
         self._deferred: list[Batch] | None = None  # the turn-lock holder's: a group's reads, not yet issued
         # True: whoever calls start_load takes what the fast path finished itself (the agent's
@@ -303,7 +295,7 @@ class Consumer(PushReceiver):
         for load in loads:
             params = load.source
             ranks = {r.rank: r for r in params.ranks}
-            for rr in self._slices_by_rank(params):
+            for rr in self.planner.slices_by_rank(params):
                 if rr not in ranks or self.peers.known(params.engine_id, ranks[rr]) is None:
                     return False
         if self._broken is not None or not self._worker.is_alive():
@@ -488,61 +480,14 @@ class Consumer(PushReceiver):
     def _plan_and_issue(self, load: Load) -> None:
         params = load.source
         ranks = {r.rank: r for r in params.ranks}
-        for rr, sls in self._slices_by_rank(params).items():
+        for rr, sls in self.planner.slices_by_rank(params).items():
             if rr not in ranks:
                 raise LoadFailed(f"params name no address for producer rank {rr}")
             peer = self._peer(params.engine_id, ranks[rr], params)
             load.peers[rr] = peer
-            batch = Batch(load, peer.peer_id, self._plan_rank(load, peer, sls))
+            batch = Batch(load, peer.peer_id, self.planner.plan_rank(load, peer, sls))
             load.batches.append(batch)
             self._issue(batch)
-
-    def _slices_by_rank(self, params: KVTransferParams) -> dict[int, list[SourceSlice]]:
-        """What this rank reads of each producer rank (remembered per producer layout: read only)."""
-        by_rank = self._slices.get(params.layout)
-        if by_rank is None:
-            by_rank = {}
-            for s in remote_sources(self.layout, self.tp_rank, self.pp_rank, params.layout):
-                by_rank.setdefault(s.remote_rank, []).append(s)
-            if len(self._slices) >= 64:
-                self._slices.clear()
-            self._slices[params.layout] = by_rank
-        return by_rank
-
-    def _unread_ranks(self, layout: ParallelLayout) -> frozenset[int]:
-        """The producer ranks of ``layout`` that no rank of this instance reads (remembered)."""
-        unread = self._unread.get(layout)
-        if unread is None:
-            unread = frozenset(r for r in range(layout.tp_size * layout.pp_size)
-                               if readers_of(layout, r % layout.tp_size, r // layout.tp_size, self.layout) == 0)
-            if len(self._unread) >= 64:
-                self._unread.clear()
-            self._unread[layout] = unread
-        return unread
-
-    def _plan_rank(self, load: Load, peer: Peer, sls: list[SourceSlice]) -> Descriptors:
-        """Every read of a load from one producer rank (staging areas registered as needed)."""
-        params = load.source
-        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
-        parts: list[Descriptors] = []
-        for s in sls:
-            if peer.side.layout == self.local_side.layout and not (
-                    peer.side.head_factor == 2 and peer.side.block_size != self.local_side.block_size):
-                shape = peer.direct_plan(self.local_side, s, load.skip_tokens, params.num_tokens)
-                parts.append(shape.descriptors(remote_blocks, load.local_blocks_full))
-            else:
-                rid = next(self._staging_ids)
-                d, plan = plan_staged(peer.side, s, remote_blocks, load.skip_tokens, params.num_tokens, rid)
-                st = plan.staging
-                self.plane.register([MemoryRegion(region_id=rid, address=st.data_ptr(), length=st.numel(),
-                                                  block_stride=st.numel(), num_blocks=1,
-                                                  layers=(0, 0), kind="KV")])
-                load.staged.append((plan, peer))
-                parts.append(d)
-        descs = concat(parts)
-        self.stats.planned(len(descs))
-        load.nbytes += descs.nbytes
-        return descs
 
     def _issue(self, batch: Batch) -> None:
         """Hand a read to the data plane (raises what the plane raises; the caller fails the load)."""
@@ -652,7 +597,7 @@ class Consumer(PushReceiver):
             self.notifier.send(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
                                                                               peer.token)))
         if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
-            unread = self._unread_ranks(params.layout)
+            unread = self.planner.unread_ranks(params.layout)
             for r in params.ranks:
                 if r.rank in unread:
                     self.notifier.send(Notice(r, self._done_notice(load, r.generation,

@@ -23,7 +23,7 @@ from kvxfer.cache.tensors import KVCache
 from kvxfer.dataplane import Descriptors
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams, LayersReady, Refusal, RemoteRank
-from kvxfer.topology import ParallelLayout, SourceSlice, check_compatible
+from kvxfer.topology import ParallelLayout, check_compatible
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.load import (
     AlreadyLoading,
@@ -37,6 +37,7 @@ from kvxfer.transfer.load import (
     RankPush,
     repeats,
 )
+from kvxfer.transfer.load_planner import LoadPlanner
 from kvxfer.transfer.planner import SideLayout, check_alignment
 
 
@@ -52,6 +53,7 @@ class PushReceiver:
     reservation_s: float
     stats: ConnectorMetrics
     local_side: SideLayout
+    planner: LoadPlanner
     _lock: threading.Lock
     _layer_cv: threading.Condition
     _loads: dict[str, Load]
@@ -65,10 +67,6 @@ class PushReceiver:
     def _live(self, load: Load) -> bool:
         raise NotImplementedError  # the consumer's
     def _peer(self, engine_id: str, r: RemoteRank, params: KVTransferParams) -> Peer:
-        raise NotImplementedError  # the consumer's
-    def _slices_by_rank(self, params: KVTransferParams) -> dict[int, list[SourceSlice]]:
-        raise NotImplementedError  # the consumer's
-    def _plan_rank(self, load: Load, peer: Peer, sls: list[SourceSlice]) -> Descriptors:
         raise NotImplementedError  # the consumer's
     def _issue(self, batch: Batch) -> None:
         raise NotImplementedError  # the consumer's
@@ -164,7 +162,7 @@ class PushReceiver:
                 raise LoadFailed(f"request {load.request_id}: the push carries {len(src.block_ids)} blocks for "
                                  f"{src.num_tokens} tokens of {src.block_size}")
             load.params = msgspec.structs.replace(src, ranks=[rr])
-            ps.needed = self._slices_by_rank(src)
+            ps.needed = self.planner.slices_by_rank(src)
         else:
             p = load.params
             for f in ("request_id", "engine_id", "block_ids", "block_size", "layout"):
@@ -185,7 +183,7 @@ class PushReceiver:
         if rp is None:
             peer = self._peer(src.engine_id, rr, load.source)
             load.peers[rr.rank] = peer
-            descs = self._plan_rank(load, peer, ps.needed[rr.rank])
+            descs = self.planner.plan_rank(load, peer, ps.needed[rr.rank])
             spans = sorted((r.region_id, r.layers[0], r.layers[1]) for r in peer.meta.regions)
             table = np.array(spans, dtype=np.int64).reshape(-1, 3)
             pos = np.searchsorted(table[:, 0], descs.remote_region)
