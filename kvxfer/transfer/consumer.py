@@ -38,6 +38,7 @@ from kvxfer.protocol import (
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
+from kvxfer.transfer.fast_path import FastPath
 from kvxfer.transfer.load import (
     AbandonRequest,
     AlreadyLoading,
@@ -71,19 +72,20 @@ JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, 
 MAX_OUTCOMES = 4096  # finished requests whose outcome wait_layer still answers
 
 
-class Consumer(PushReceiver):
+class Consumer(FastPath, PushReceiver):
     """Loads requests into this rank's cache: thread-safe entry points, one worker thread.
 
     Threads and what each owns:
     - the engine's thread calls ``start_load``, ``reserve``, ``wait``, ``wait_layer``,
       ``abandon``, ``poll`` and ``close``; the side-channel thread calls ``layers_ready``;
-    - the worker's state, ``peers``, ``_in_flight``, ``_read_again``, every ``Load``'s mutable
-      fields and every ``Batch``, belongs to whoever holds ``_turn_lock``: the worker thread
-      (``_run``) for each turn, or, on the fast path, the thread in ``start_load``: a load of at
-      most ``inline_load_bytes`` from producer ranks already handshaken is begun on the caller's
-      thread, with the plane's finished reads taken at once (cma copies one-sided in ``read``,
-      so a small load is done when ``start_load`` returns: no thread hand-off). Only the holder
-      calls the data plane (but for the completion callback, which only queues a ``Wake``);
+    - the worker's state, ``peers``, ``planner``, ``_in_flight``, ``_read_again``, every
+      ``Load``'s mutable fields and every ``Batch``, belongs to whoever holds ``_turn_lock``: the
+      worker thread (``_run``) for each turn, or the thread in ``start_load`` on the fast path
+      (:mod:`kvxfer.transfer.fast_path`: a small load from producer ranks already handshaken is
+      begun on the caller's thread, which takes the plane's finished reads at once). Only the
+      holder calls the data plane (but for the completion callback, which only queues a ``Wake``);
+    - what a worker turn finished goes to ``worker_takes_done`` (the agent sends it from there)
+      or wakes the threads waiting in ``poll``;
     - the notifier's thread (:class:`Notifier`) sends ``Notice``s; it owns nothing of the consumer's.
     ``_loads``, ``_waiting``, ``_done``, ``_outcomes``, ``_broken`` and every push load's
     ``landed`` are shared: read and written under ``_lock`` (``_layer_cv`` is its condition).
@@ -260,76 +262,6 @@ class Consumer(PushReceiver):
         """The plane finished a read: wake the worker, unless this thread takes it itself."""
         if not getattr(self._here, "on", False):
             self._jobs.put(Wake())
-
-    def _small(self, load: Load) -> bool:
-        return len(load.local_blocks_full) * self._bytes_per_block <= self.inline_load_bytes
-
-    def _begin_here(self, loads: list[Load]) -> bool:
-        """The fast path (class doc): begin small loads on this thread if the worker is not in a
-        turn and every producer rank they read is known (no handshake here); all or none: False
-        leaves every one for the caller to queue."""
-        if not all(self._small(ld) for ld in loads):
-            return False
-        if not self._turn_lock.acquire(blocking=False):
-            return False
-        try:
-            return self._begin_locked(loads)
-        except Exception as e:  # a bug before a load began: the worker begins it (and reports what fails)
-            report("consumer fast path", e, f"request {loads[0].request_id}"
-                   + (f" and {len(loads) - 1} more" if len(loads) > 1 else " (queued for the worker)"))
-            unissued = {id(b.load): b.load for b in self._deferred or []}
-            for load in unissued.values():  # begun, their reads never issued: failed now, not at their deadline
-                if self._live(load):
-                    self._fail(load, ErrorCode.INTERNAL, f"starting the load failed: {describe(e)}")
-            return all(ld.began_at != 0.0 for ld in loads)
-        finally:
-            self._here.on = False
-            self._deferred = None
-            self._turn_lock.release()
-            if not self.caller_takes_done and self._done:
-                self._ready.set()  # another thread may wait in poll for what the fast path finished
-
-    def _begin_locked(self, loads: list[Load]) -> bool:
-        """``_begin_here`` with the turn lock held. Several loads: their reads are collected as
-        they are planned and handed to the plane together (``_issue_deferred``)."""
-        for load in loads:
-            params = load.source
-            ranks = {r.rank: r for r in params.ranks}
-            for rr in self.planner.slices_by_rank(params):
-                if rr not in ranks or self.peers.known(params.engine_id, ranks[rr]) is None:
-                    return False
-        if self._broken is not None or not self._worker.is_alive():
-            return False
-        self._here.on = True
-        if len(loads) == 1:
-            self._begin(loads[0])
-        else:
-            self._deferred = []
-            for load in loads:
-                self._begin(load)
-            self._issue_deferred()
-        self._poll_plane()  # what the plane finished (cma: these loads) is reported now
-        return True
-
-    def _issue_deferred(self) -> None:
-        """Hand the reads collected by ``_issue`` to the plane in one ``read_many``; those of a load
-        that failed meanwhile are left out. If the plane raises, every load with a read in it fails."""
-        batches, self._deferred = self._deferred or [], None
-        batches = [b for b in batches if any(b is x for x in b.load.batches)]
-        if not batches:
-            return
-        try:
-            ids = self.plane.read_many([(b.peer_id, b.load.source.request_id, b.descs) for b in batches])
-        except Exception as e:
-            report("consumer: read_many", e, f"{len(batches)} reads")
-            for peer_id in {b.peer_id for b in batches}:  # reads it began may still copy: stopped first
-                self.peers.forget(peer_id)
-            for load in {id(b.load): b.load for b in batches}.values():
-                self._fail(load, code_of(e), describe(e))
-            return
-        for b, batch_id in zip(batches, ids, strict=True):
-            b.batch_id = batch_id
-            self._in_flight[batch_id] = b
 
     def _check_worker(self) -> None:
         """The engine's own guarantee that nothing hangs: if the worker thread has stopped
