@@ -427,14 +427,17 @@ def test_what_the_consumer_worker_finishes_goes_to_its_taker_or_wakes_the_waiter
     assert isinstance(c, Connector) and c.consumer is not None
     consumer = c.consumer
     calls: list[tuple[str, list[str]]] = []
+    called = threading.Event()
 
     def taker() -> bool:
         if takes == "raises":
             raise RuntimeError("the taker failed")
         if takes == "declines":
             calls.append((threading.current_thread().name, []))
+            called.set()
             return False
         calls.append((threading.current_thread().name, consumer.poll(0.0).receiving))  # as the agent's _flush
+        called.set()
         return True
 
     consumer.worker_takes_done = taker
@@ -443,9 +446,7 @@ def test_what_the_consumer_worker_finishes_goes_to_its_taker_or_wakes_the_waiter
         c.start_load("r1", params, [9, 10])  # the first load handshakes: the worker begins and finishes it
         t0 = time.monotonic()
         if takes == "sends":
-            deadline = t0 + 30
-            while not calls and time.monotonic() < deadline:
-                time.sleep(0.01)
+            called.wait(30)
             assert calls == [(consumer._worker.name, ["r1"])]
             assert c.poll(0.0).receiving == []  # taken: the engine's poll does not see it again
         else:
