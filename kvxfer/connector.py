@@ -143,7 +143,7 @@ class Connector:
         self.server: SideChannelServer | None = None
         self.auth = Authenticator(self.secret)
         self.metrics = ConnectorMetrics(config.engine_id, rank, data_plane.name, clock)
-        self.metrics.producer = self._producer_stats
+        self.metrics.producer = self._side_stats
 
     @classmethod
     def from_config(cls, config: InstanceConfig, rank: int = 0) -> EngineConnector:
@@ -242,11 +242,14 @@ class Connector:
         """Why this rank cannot load any more, or None while it can."""
         return self.consumer.broken if self.consumer is not None else None
 
-    def _producer_stats(self) -> dict[str, float]:
+    def _side_stats(self) -> dict[str, float]:
+        """The producer's hold counters and the plane's own (``plane_<name>``)."""
+        out = {f"plane_{k}": v for k, v in self.plane.counters().items()}
         holds = self.holds
         if holds is None:
-            return {}
-        return {"held_requests": len(holds), "held_blocks": holds.held_blocks(), "refused_reads": holds.refused_reads,
+            return out
+        return {**out, "held_requests": len(holds), "held_blocks": holds.held_blocks(),
+                "refused_reads": holds.refused_reads,
                 **{f"holds_{reason}": n for reason, n in holds.released_by.items()}}
 
     def close(self) -> None:

@@ -280,6 +280,10 @@ class DataPlane(ABC):
     def close(self) -> None:
         """Stop every thread and socket this data plane started."""
 
+    def counters(self) -> dict[str, float]:
+        """The plane's own counters (``Connector.stats()`` shows them as ``plane_<name>``)."""
+        return {}
+
     def broken(self) -> str | None:
         """Why this plane cannot go on (a thread it needs has stopped), or None while it can.
 

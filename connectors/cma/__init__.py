@@ -24,17 +24,26 @@ host, another pid namespace, ptrace denied): use ``tcp`` or ``ucx`` there.
 A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
 
+A one-sided read of at most ``inline_copy_bytes`` from a producer whose memory is a
+shared-memory file (a transfer agent's cache always is) copies with ``memcpy`` from the
+consumer's own read-only mapping of that file instead, no page pinned; the board is still read
+before and after (:mod:`.mapped`).
+
 A copy of more than ``inline_copy_bytes`` is cut into parts that the reading thread and the
-plane's copy threads copy at once (:mod:`.copier`); it is still done when the reading thread's
-call returns. The copies themselves are in :mod:`.memory`; the producer's grant thread in
-:mod:`.grants`.
+plane's copy threads copy at once with ``process_vm_readv`` (:mod:`.copier`); it is still done
+when the reading thread's call returns. The copies themselves are in :mod:`.memory` and
+:mod:`.mapped`; reads that ask for a grant in :mod:`.granted_reads` (the plane's read thread),
+the producer's grant thread in :mod:`.grants`; what the consumer knows of a producer in
+:mod:`.peer`.
 
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
 holds on the board; false: every read of this producer asks for a grant), ``copy_threads``
 (helpers beside the reading thread; default: the CPUs this process may run on, less one, from 1
 to 3; 0: the reading thread copies alone), ``inline_copy_bytes`` (default 2 MiB: a larger copy is
-cut into parts of at least this size, one per copying thread; one 2 MiB block is copied whole).
+cut into parts of at least this size, one per copying thread; one 2 MiB block is copied whole),
+``map_memory`` (default true: map a producer's shared-memory files for copies of at most
+``inline_copy_bytes``; false: always ``process_vm_readv``).
 """
 
 from __future__ import annotations
@@ -44,10 +53,8 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -64,101 +71,25 @@ from kvxfer.dataplane import (
     check_bounds,
     check_read,
 )
-from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.protocol import ErrorCode, ReadRequest, Refusal
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
 from .copier import CopyHelpers, cut
+from .granted_reads import Awaited, GrantedReads
 from .grants import GrantServer
+from .mapped import copy_mapped, map_region, region_files
 from .memory import Peeker, copy_from, iovecs
+from .peer import CmaAddress, Peer, Pieces, boot_id, pieces, unmap
 
 logger = logging.getLogger(__name__)
 
-OPTIONS = {"timeout_s", "host", "one_sided", "copy_threads", "inline_copy_bytes"}
-GRANT_POLL_MS = 50  # the read thread's longest wait for a grant before it checks the deadlines again
+OPTIONS = {"timeout_s", "host", "one_sided", "copy_threads", "inline_copy_bytes", "map_memory"}
 DISCONNECT_WAIT_S = 5.0  # disconnect waits this long at most for the read thread to drop the peer
-_NO_JOB = object()
 
 KEEP_GIL_BYTES = 4 << 20  # copies up to this size keep it too (see _copy)
-MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
-MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
 MAX_DEFAULT_COPY_THREADS = 3  # default copy_threads: the CPUs this process may use, less one, at most this
 INLINE_COPY_BYTES = 2 << 20  # default inline_copy_bytes: a larger copy is cut in parts of at least this size
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-class CmaAddress(msgspec.Struct, frozen=True):
-    pid: int
-    boot_id: str  # another host's process with the same pid must not be read
-    control: str  # the producer's ZMQ endpoint for grants
-    regions: dict[int, tuple[int, int]]  # region id -> (address, length) in the producer
-    strides: dict[int, int] = {}  # region id -> bytes per block (what the board's block ids index)
-    board: tuple[int, int] = (0, 0)  # the producer's hold board: (address, rows); (0, 0): none, ask for grants
-
-
-@dataclass(frozen=True)
-class _Pieces:
-    """A batch's regions looked up once per region pattern (its region ids, in order): per
-    piece, its region's length, address and bytes per block. Loads of one plan shape repeat
-    one pattern, so a read then costs no search of the region table."""
-
-    sizes: np.ndarray
-    bases: np.ndarray
-    strides: np.ndarray | None  # None: not asked for (this side's regions)
-
-
-def _pieces(cache: dict[bytes, _Pieces], ids: np.ndarray, sizes: np.ndarray, bases: np.ndarray,
-            strides: np.ndarray | None, regions: np.ndarray) -> _Pieces | None:
-    """The per-piece tables of ``regions`` (``ids`` sorted, the rest by position in it), kept in
-    ``cache``; None when some region is not among ``ids``."""
-    key = regions.tobytes()
-    hit = cache.get(key)
-    if hit is None:
-        if not len(ids):
-            return None
-        pos = np.minimum(np.searchsorted(ids, regions), len(ids) - 1)
-        if not (ids[pos] == regions).all():
-            return None
-        hit = _Pieces(sizes[pos], bases[pos], None if strides is None else strides[pos])
-        for a in (hit.sizes, hit.bases, hit.strides):
-            if a is not None:
-                a.flags.writeable = False
-        if len(regions) <= MAX_KEPT_PIECES:  # a large load's tables would cost MBs each, for little gain
-            if len(cache) >= MAX_PATTERNS:
-                cache.clear()
-            cache[key] = hit
-    return hit
-
-
-@dataclass
-class _Peer:
-    addr: CmaAddress
-    dealer: Any  # zmq DEALER to the producer's control socket (plane thread only)
-    token: bytes
-    base: np.ndarray  # remote region id -> address (int64), indexed by position in ids
-    ids: np.ndarray
-    sizes: np.ndarray
-    strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
-    peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
-    patterns: dict[bytes, _Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
-
-
-@dataclass
-class _Awaited:
-    """A read whose grant request is sent and not yet answered (the read thread's)."""
-
-    peer_id: str
-    request_id: str
-    d: Descriptors
-    local: np.ndarray  # each piece's local region's address
-    pos: np.ndarray  # index of each piece's remote region in the peer's tables
-    deadline: float
 
 
 @dataclass
@@ -172,11 +103,23 @@ class _Read:
     local: np.ndarray  # each piece's local region's address
 
 
+@dataclass
+class _Allowed:
+    """A read the board allowed: its pieces' remote regions' addresses in the producer, and in
+    this process's mappings when every region is mapped."""
+
+    read: _Read
+    peer: Peer
+    remote: np.ndarray
+    mapped: np.ndarray | None
+    row: np.ndarray  # the board row that allowed it (rechecked after the copy)
+
+
 def _copy_part(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
     copy_from(pid, local, remote, nbytes=nbytes)
 
 
-class CmaDataPlane(HostRegionPlane):
+class CmaDataPlane(HostRegionPlane, GrantedReads):
     """Grant over ZMQ, then a one-sided copy with process_vm_readv; see the module docstring."""
 
     name = "cma"
@@ -197,24 +140,29 @@ class CmaDataPlane(HostRegionPlane):
         inline = self.options.get("inline_copy_bytes", INLINE_COPY_BYTES)
         if isinstance(inline, bool) or not isinstance(inline, int) or inline < 0:
             raise ValueError(f"connector.data_plane.inline_copy_bytes: expected an integer >= 0, got {inline!r}")
+        map_memory = self.options.get("map_memory", True)
+        if not isinstance(map_memory, bool):
+            raise ValueError(f"connector.data_plane.map_memory: expected true or false, got {map_memory!r}")
         self.copy_threads: int = threads
         self.inline_copy_bytes: int = inline
+        self.map_memory: bool = map_memory
         self.engine_id = "kvxfer"
         self._board = HoldBoard() if one_sided else None  # producer side: the holds consumers check themselves
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         # consumer side, one-sided reads: the peers they may read, and the lock a copy holds (so a
         # disconnect returns only when no copy from that peer runs); taken by the reading thread
-        self._direct: dict[str, _Peer] = {}
+        self._direct: dict[str, Peer] = {}
         self._direct_lock = threading.Lock()
         self._local = self._local_table()  # what read() looks this side's pieces up in (_local_table)
         self.one_sided_reads = 0  # reads the board allowed
+        self.mapped_reads = 0  # of those, reads copied from a mapping of the producer's file
         self.granted_reads = 0  # reads that asked the producer
         self._ids = itertools.count(1)
         self._closed = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._grant_server = GrantServer(str(self.options.get("host", "127.0.0.1")), self._check_grant)  # producer side
         self._jobs: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
-        self._waiting: dict[int, _Awaited] = {}  # batch id -> its awaited grant (the read thread's)
+        self._waiting: dict[int, Awaited] = {}  # batch id -> its awaited grant (the read thread's)
         self._wake_r, self._wake_w = os.pipe()  # a queued job wakes the read thread from its grant wait
         os.set_blocking(self._wake_w, False)
         self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
@@ -227,9 +175,10 @@ class CmaDataPlane(HostRegionPlane):
         regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
         strides = {rid: r.block_stride for rid, r in self._regions.items()}
         board = (0, 0) if self._board is None else (self._board.address, self._board.rows)
-        return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=_boot_id(),
+        files = region_files(regions) if self._board is not None else {}  # only one-sided reads map them
+        return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=boot_id(),
                                                  control=self._grant_server.address, regions=regions,
-                                                 strides=strides, board=board))
+                                                 strides=strides, board=board, files=files))
 
     def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
         if self._board is None:
@@ -248,7 +197,7 @@ class CmaDataPlane(HostRegionPlane):
             addr = msgspec.msgpack.decode(address, type=CmaAddress)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ConnectionError(f"peer {peer_id}: bad cma address: {e}") from None
-        if addr.boot_id != _boot_id():
+        if addr.boot_id != boot_id():
             raise ConnectionError(f"peer {peer_id} runs on another host: the cma data plane reads only on one "
                                   f"host (use tcp or ucx)")
         if not addr.regions:
@@ -262,14 +211,17 @@ class CmaDataPlane(HostRegionPlane):
             raise ConnectionError(f"peer {peer_id} (pid {addr.pid}): the kernel refuses cross-memory reads ({e}); "
                                   f"another pid namespace, or ptrace denied: use tcp or ucx") from None
         ids = np.array(sorted(addr.regions), dtype=np.int64)
-        peer = _Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
+        peer = Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
                      np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
                      np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
+        one_sided = addr.board[1] > WINDOW and bool((peer.strides > 0).all())
+        if one_sided and self.map_memory:
+            self._map(peer_id, peer)
         with self._direct_lock:
-            if addr.board[1] > WINDOW and (peer.strides > 0).all():
+            old = self._direct.pop(peer_id, None)
+            if one_sided:
                 self._direct[peer_id] = peer
-            else:
-                self._direct.pop(peer_id, None)
+            unmap(old)
         self._jobs.put(("connect", (peer_id, peer)))
         self._wake()
 
@@ -278,12 +230,36 @@ class CmaDataPlane(HostRegionPlane):
         finishes first; the read thread drops it), so a failed load's blocks are not written once
         reported."""
         with self._direct_lock:
-            self._direct.pop(peer_id, None)
+            unmap(self._direct.pop(peer_id, None))
         dropped = threading.Event()
         self._jobs.put(("disconnect", (peer_id, dropped)))
         self._wake()
         if threading.current_thread() is not self._read_thread and self._read_thread.is_alive():
             dropped.wait(DISCONNECT_WAIT_S)
+
+    @staticmethod
+    def _map(peer_id: str, peer: Peer) -> None:
+        """Map the peer's regions that lie in shared-memory files (mapped.py); a region that
+        cannot be mapped is read with process_vm_readv, as every region was before (logged)."""
+        if not peer.addr.files:
+            logger.info("cma: peer %s (pid %d) has no memory in shared files: it is read with process_vm_readv",
+                        peer_id, peer.addr.pid)
+            return
+        mapped = np.zeros(len(peer.ids), dtype=np.int64)
+        for i, rid in enumerate(peer.ids.tolist()):
+            rf = peer.addr.files.get(rid)
+            if rf is None:
+                continue
+            try:
+                m = map_region(peer.addr.pid, rf, int(peer.sizes[i]))
+            except OSError as e:
+                logger.info("cma: peer %s (pid %d): region %d not mapped (%s): it is read with process_vm_readv",
+                            peer_id, peer.addr.pid, rid, e)
+                continue
+            peer.maps.append(m)
+            mapped[i] = m.address
+        peer.mapped = mapped
+        logger.debug("cma: peer %s: %d of %d regions mapped", peer_id, len(peer.maps), len(peer.ids))
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         return self.read_many(((peer_id, request_id, descriptors),))[0]
@@ -302,7 +278,7 @@ class CmaDataPlane(HostRegionPlane):
             if len(d) == 0:
                 self._finish(BatchResult(batch_id, peer_id, request_id, 0, None))
                 continue
-            local = _pieces(patterns, ids, sizes, bases, None, d.local_region)
+            local = pieces(patterns, ids, sizes, bases, None, d.local_region)
             if local is None or (d.local_offset + d.length > local.sizes).any():  # check_bounds names it
                 why = (check_bounds(self._table, d.local_region, d.local_offset, d.length)
                        or "a piece lies outside this side's regions")
@@ -324,14 +300,15 @@ class CmaDataPlane(HostRegionPlane):
         asked: list[_Read] = []
         results: list[BatchResult] = []
         with self._direct_lock:
-            allowed: list[tuple[_Read, _Peer, np.ndarray, np.ndarray]] = []  # read, peer, remote bases, row
+            allowed: list[_Allowed] = []
             for r in reads:
                 d = r.d
                 peer = self._direct.get(r.peer_id)
                 if peer is None or self._closed:
                     asked.append(r)
                     continue
-                remote = _pieces(peer.patterns, peer.ids, peer.sizes, peer.base, peer.strides, d.remote_region)
+                remote = pieces(peer.patterns, peer.ids, peer.sizes, peer.base, peer.strides, d.remote_region,
+                                 peer.mapped)
                 if remote is None or remote.strides is None:
                     asked.append(r)  # the grant path refuses it, by name
                     continue
@@ -346,48 +323,54 @@ class CmaDataPlane(HostRegionPlane):
                     asked.append(r)
                     continue
                 self.one_sided_reads += 1
-                allowed.append((r, peer, remote.bases, row))
+                allowed.append(_Allowed(r, peer, remote.bases, remote.mapped, row))
             if len(allowed) == 1:
-                results.append(self._copy_here(*allowed[0]))
+                results.append(self._copy_here(allowed[0]))
             elif allowed:
                 results.extend(self._copy_together(allowed))
         for res in results:
             self._finish(res)  # not under _direct_lock: a completion callback may call back into the plane
         return asked
 
-    def _copy_here(self, r: _Read, peer: _Peer, remote: np.ndarray, row: np.ndarray) -> BatchResult:
+    def _copy_here(self, a: _Allowed) -> BatchResult:
         """A one-sided read the board allowed, copied on this thread. Caller holds _direct_lock."""
+        r = a.read
         try:
-            iov = iovecs(r.d, r.local, remote)
-            self._copy(peer.addr.pid, iov, r.d.nbytes)
+            if a.mapped is not None and r.d.nbytes <= self.inline_copy_bytes:
+                iov = iovecs(r.d, r.local, a.mapped)
+                copy_mapped(iov[0], iov[1], keep_gil=r.d.nbytes <= KEEP_GIL_BYTES)
+                self.mapped_reads += 1
+            else:
+                self._copy(a.peer.addr.pid, iovecs(r.d, r.local, a.remote), r.d.nbytes)
         except Exception as e:
             return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)
-        return self._rechecked(r, peer, row)
+        return self._rechecked(r, a.peer, a.row)
 
-    def _copy_together(self, allowed: list[tuple[_Read, _Peer, np.ndarray, np.ndarray]]) -> list[BatchResult]:
+    def _copy_together(self, allowed: list[_Allowed]) -> list[BatchResult]:
         """Several allowed reads: one copy per producer process for all of them, then each read
         rechecked alone. If a joint copy fails, its reads are copied again one by one, so each
         fails (or not) for its own reason. Caller holds _direct_lock."""
-        by_pid: dict[int, list[tuple[_Read, _Peer, np.ndarray, np.ndarray]]] = {}
+        by_pid: dict[int, list[_Allowed]] = {}
         for a in allowed:
-            by_pid.setdefault(a[1].addr.pid, []).append(a)
+            by_pid.setdefault(a.peer.addr.pid, []).append(a)
         results: list[BatchResult] = []
         for pid, group in by_pid.items():
             try:
-                iov = np.concatenate([iovecs(r.d, r.local, remote) for r, _, remote, _ in group], axis=1)
-                self._copy(pid, iov, sum(r.d.nbytes for r, _, _, _ in group))
+                iov = np.concatenate([iovecs(a.read.d, a.read.local, a.remote) for a in group], axis=1)
+                self._copy(pid, iov, sum(a.read.d.nbytes for a in group))
             except TimeoutError as e:  # a helper may still be copying: no read of the group may stand
-                results.extend(self._read_failed(r.peer_id, r.request_id, r.batch_id, e) for r, _, _, _ in group)
+                results.extend(self._read_failed(a.read.peer_id, a.read.request_id, a.read.batch_id, e)
+                               for a in group)
                 continue
             except Exception as e:
                 logger.debug("cma: a joint copy of %d reads from pid %d failed (%s); copying them one by one",
                              len(group), pid, e)
-                results.extend(self._copy_here(*a) for a in group)
+                results.extend(self._copy_here(a) for a in group)
                 continue
-            results.extend(self._rechecked(r, peer, row) for r, peer, _, row in group)
+            results.extend(self._rechecked(a.read, a.peer, a.row) for a in group)
         return results
 
-    def _rechecked(self, r: _Read, peer: _Peer, row: np.ndarray) -> BatchResult:
+    def _rechecked(self, r: _Read, peer: Peer, row: np.ndarray) -> BatchResult:
         """After the copy: the batch's result, which stands only if the board row is unchanged.
         Caller holds _direct_lock (the peer's Peeker is used under it)."""
         try:
@@ -402,144 +385,6 @@ class CmaDataPlane(HostRegionPlane):
         if not isinstance(e, OSError | ReadRefused | ValueError):
             report("cma reads", e, f"one-sided read for {request_id} from {peer_id}")
         return BatchResult.failed(batch_id, peer_id, request_id, code_of(e), f"peer {peer_id}: {describe(e)}")
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is already pending (or the plane is closing)
-
-    def _run(self) -> None:
-        """The plane's reading thread: owns the DEALER sockets, so no socket crosses threads.
-
-        Grants are pipelined: every queued read sends its grant request at once, and each copy
-        runs when its grant comes, so many small reads cost one round trip, not one each.
-        Supervised: a failed read fails its batch, a failed connect or disconnect drops the
-        peer (its reads then fail as not connected); the thread goes on."""
-        while True:
-            job: Any
-            try:  # block for work only while no grant is awaited
-                job = self._jobs.get(timeout=None if not self._waiting else 0)
-            except queue.Empty:
-                job = _NO_JOB
-            while job is not _NO_JOB:
-                if self._take(job):  # the stop job
-                    for batch_id in list(self._waiting):
-                        self._fail_waiting(batch_id, ConnectionError("the plane is closed"))
-                    for p in self._peers.values():
-                        p.dealer.close(linger=0)
-                    return
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    job = _NO_JOB
-            try:
-                self._grants(GRANT_POLL_MS if self._waiting else 0)
-            except Exception as e:  # a bug here must not end the thread: what was awaited fails
-                report("cma reads", e, "grant replies")
-                for batch_id in list(self._waiting):
-                    self._fail_waiting(batch_id, e)
-
-    def _take(self, job: Any) -> bool:
-        """One queued job; True when it is the stop job."""
-        if job is None:
-            return True
-        kind, arg = job
-        if kind == "read":
-            peer_id, request_id, batch_id, d, local = arg
-            try:
-                self._request_grant(peer_id, request_id, batch_id, d, local)
-            except Exception as e:  # any failure fails the batch, named; the thread goes on
-                if not isinstance(e, OSError | ReadRefused | ValueError):
-                    report("cma reads", e, f"read for {request_id} from {peer_id}")
-                self._finish(BatchResult.failed(batch_id, peer_id, request_id, code_of(e),
-                                                f"peer {peer_id}: {describe(e)}"))
-            return False
-        peer_id = arg[0]
-        try:
-            self._drop(peer_id, ConnectionError("disconnected"))
-            if kind == "connect":
-                peer = arg[1]
-                peer.dealer = self._ctx.socket(zmq.DEALER)
-                peer.dealer.setsockopt(zmq.LINGER, 0)
-                peer.dealer.connect(peer.addr.control)
-                peer.dealer.send(b"H" + self.engine_id.encode()[:256])  # so refusals can name us
-                self._peers[peer_id] = peer
-        except Exception as e:
-            report("cma reads", e, f"{kind} {peer_id}")
-        finally:
-            if kind == "disconnect":
-                arg[1].set()  # dropped (or failed to): the caller waits no longer
-        return False
-
-    def _drop(self, peer_id: str, why: Exception) -> None:
-        """Forget a peer; its awaited grants fail with ``why``."""
-        old = self._peers.pop(peer_id, None)
-        if old is None:
-            return
-        old.dealer.close(linger=0)
-        for batch_id in [b for b, w in self._waiting.items() if w.peer_id == peer_id]:
-            self._fail_waiting(batch_id, why)
-
-    def _fail_waiting(self, batch_id: int, e: Exception) -> None:
-        w = self._waiting.pop(batch_id)
-        self._finish(BatchResult.failed(batch_id, w.peer_id, w.request_id, code_of(e), f"peer {w.peer_id}: "
-                                        f"{describe(e)}"))
-
-    def _request_grant(self, peer_id: str, request_id: str, batch_id: int, d: Descriptors,
-                       local: np.ndarray) -> None:
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            raise ConnectionError("not connected")
-        if self._closed:
-            raise ConnectionError("the plane is closed")
-        pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
-        if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
-            raise ReadRefused(ErrorCode.OUT_OF_BOUNDS, "a piece lies outside the producer's regions")
-        req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),
-                          offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(), token=peer.token)
-        peer.dealer.send(b"R" + encode(req))
-        self._waiting[batch_id] = _Awaited(peer_id, request_id, d, local, pos, time.monotonic() + self.timeout_s)
-
-    def _grants(self, wait_ms: int) -> None:
-        """Copy for every grant that came (waiting up to ``wait_ms`` for the first); fail what
-        waited past its deadline (its producer is stalled: the peer is dropped)."""
-        dealers = {id(p.dealer): (pid, p) for pid, p in self._peers.items()
-                   if any(w.peer_id == pid for w in self._waiting.values())}
-        if dealers:
-            poller = zmq.Poller()
-            for _, p in dealers.values():
-                poller.register(p.dealer, zmq.POLLIN)
-            poller.register(self._wake_r, zmq.POLLIN)
-            for sock, _ in poller.poll(wait_ms):
-                if sock == self._wake_r:
-                    os.read(self._wake_r, 4096)  # new jobs: the caller's loop takes them
-                    continue
-                peer_id, peer = dealers[id(sock)]
-                while peer_id in self._peers and peer.dealer.poll(0):
-                    self._on_grant(peer_id, peer, decode_data(peer.dealer.recv()))
-        now = time.monotonic()
-        for batch_id, w in list(self._waiting.items()):
-            if batch_id in self._waiting and now > w.deadline:
-                self._drop(w.peer_id, TimeoutError(f"no grant within {self.timeout_s:g}s"))
-
-    def _on_grant(self, peer_id: str, peer: _Peer, reply: Any) -> None:
-        if not isinstance(reply, ReadReply):
-            return
-        w = self._waiting.pop(reply.batch_id, None)
-        if w is None or w.peer_id != peer_id:
-            return  # the late grant of a batch that already failed
-        try:
-            if reply.error:
-                raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-            self._copy(peer.addr.pid, iovecs(w.d, w.local, peer.base[w.pos]), w.d.nbytes)
-        except Exception as e:
-            if not isinstance(e, OSError | ReadRefused | ValueError):
-                report("cma reads", e, f"read for {w.request_id} from {peer_id}")
-            self._finish(BatchResult.failed(reply.batch_id, peer_id, w.request_id, code_of(e),
-                                            f"peer {peer_id}: {describe(e)}"))
-        else:
-            self._finish(BatchResult(reply.batch_id, peer_id, w.request_id, w.d.nbytes, None))
 
     def _copy(self, pid: int, iov: np.ndarray, nbytes: int) -> None:
         """Copy the pieces ``iov`` (``iovecs``: [local, remote] x piece x (address, length)), of
@@ -561,7 +406,7 @@ class CmaDataPlane(HostRegionPlane):
         super().unregister(region_ids)
         self._local = self._local_table()
 
-    def _local_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[bytes, _Pieces]]:
+    def _local_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[bytes, Pieces]]:
         """This side's regions as sorted ids, their lengths and addresses (int64), and the region
         patterns looked up in them so far (one tuple, replaced whole on (un)registration)."""
         ids = np.array(sorted(self._regions), dtype=np.int64)
@@ -577,6 +422,10 @@ class CmaDataPlane(HostRegionPlane):
         return why, d.nbytes
 
     # ------------------------------------------------------------------ both
+    def counters(self) -> dict[str, float]:
+        return {"one_sided_reads": self.one_sided_reads, "mapped_reads": self.mapped_reads,
+                "granted_reads": self.granted_reads}
+
     def broken(self) -> str | None:
         if self._closed:
             return "the plane is closed"
@@ -590,6 +439,9 @@ class CmaDataPlane(HostRegionPlane):
         if self._board is not None:  # no one-sided read is allowed from here on
             self._board.table[:] = 0
         self._closed = True
+        with self._direct_lock:  # no one-sided copy runs now, nor starts (closed): the mappings go
+            for peer in self._direct.values():
+                unmap(peer)
         self._jobs.put(None)
         self._wake()
         self._read_thread.join(timeout=5)
