@@ -177,7 +177,7 @@ def copy_mapped(local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -
     The plane uses it for copies of at most ``inline_copy_bytes`` only: one thread copies at
     ``memcpy`` speed, but a Python call per piece that releases the GIL makes helper threads
     queue for it; larger copies go to ``process_vm_readv`` on several threads, which measured
-    faster here (16 MiB: 2.3-2.7 ms against 2.7-3.4; 128 MiB: 15 ms against 19).
+    faster here (16 MiB: 2.3-2.7 ms against 2.7-3.4; 128 MiB: 15 ms against 19)."""
     dst, src, size = local[:, 0], remote[:, 0], local[:, 1]
     if len(dst) > 1:
         joins = (dst[:-1] + size[:-1] == dst[1:]) & (src[:-1] + size[:-1] == src[1:])
