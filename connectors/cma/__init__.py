@@ -78,7 +78,7 @@ from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_u
 from .copier import CopyHelpers, cut
 from .granted_reads import Awaited, GrantedReads
 from .grants import GrantServer
-from .mapped import copy_mapped, map_region, region_files
+from .mapped import RegionFile, copy_mapped, map_region, region_files
 from .memory import Peeker, copy_from, iovecs
 from .peer import CmaAddress, Peer, Pieces, boot_id, pieces, unmap
 
@@ -154,6 +154,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         self._direct: dict[str, Peer] = {}
         self._direct_lock = threading.Lock()
         self._local = self._local_table()  # what read() looks this side's pieces up in (_local_table)
+        self._files: dict[int, RegionFile] | None = None  # address()'s region_files, found again after (un)registering
         self.one_sided_reads = 0  # reads the board allowed
         self.mapped_reads = 0  # of those, reads copied from a mapping of the producer's file
         self.granted_reads = 0  # reads that asked the producer
@@ -175,7 +176,9 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         regions = {rid: (r.address, r.length) for rid, r in self._regions.items()}
         strides = {rid: r.block_stride for rid, r in self._regions.items()}
         board = (0, 0) if self._board is None else (self._board.address, self._board.rows)
-        files = region_files(regions) if self._board is not None else {}  # only one-sided reads map them
+        if self._files is None:  # once per registration: /proc/self/maps of a vLLM worker is long
+            self._files = region_files(regions) if self._board is not None else {}  # only one-sided reads map them
+        files = self._files
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=boot_id(),
                                                  control=self._grant_server.address, regions=regions,
                                                  strides=strides, board=board, files=files))
@@ -401,10 +404,12 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         super().register(regions)
         self._local = self._local_table()
+        self._files = None
 
     def unregister(self, region_ids: Sequence[int]) -> None:
         super().unregister(region_ids)
         self._local = self._local_table()
+        self._files = None
 
     def _local_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[bytes, Pieces]]:
         """This side's regions as sorted ids, their lengths and addresses (int64), and the region
