@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,9 +16,8 @@ import pytest
 import torch
 from kvxfer.connectors.cma import CmaDataPlane
 from kvxfer.connectors.cma.mapped import RegionFile, copy_mapped, map_region, region_files
-from test_hold_board import NB, STRIDE, region, registry
+from test_hold_board import NB, STRIDE, Pair
 
-from kvxfer.dataplane import BatchResult, Descriptors
 from kvxfer.protocol import ErrorCode
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -117,44 +115,16 @@ def test_copy_mapped_joins_adjacent_pieces_and_copies_each_bit_exact() -> None:
     assert not dst[300:1000].any() and not dst[1007:].any()
 
 
-class MappedPair:
-    """A producer plane over a shared-memory file and a consumer plane, both in this process."""
+class MappedPair(Pair):
+    """test_hold_board's Pair (two cma planes in this process), the producer's memory a shared-memory file."""
 
     def __init__(self, consumer_options: dict[str, object] | None = None) -> None:
-        self.src = ShmFile(NB * STRIDE, seed=2)
-        self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
-        self.producer = CmaDataPlane({})
-        self.consumer = CmaDataPlane(consumer_options)  # type: ignore[arg-type]
-        self.producer.register([region(0, self.src.a)])
-        self.consumer.register([region(0, self.dst)])
-        self.holds = registry([0.0])
-        self.holds.on_change = self.producer.hold_changed
-        self.producer.set_read_validator(self.holds.validate)
-        self.consumer.connect("p", self.producer.address())
-
-    def read(self, request_id: str, remote: list[int], local: list[int]) -> BatchResult:
-        n = len(remote)
-        d = Descriptors(np.zeros(n, np.int64), np.array(remote, np.int64) * STRIDE, np.zeros(n, np.int64),
-                        np.array(local, np.int64) * STRIDE, np.full(n, STRIDE, np.int64))
-        batch = self.consumer.read("p", request_id, d)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            for r in self.consumer.poll():
-                assert r.batch_id == batch
-                return r
-            time.sleep(0.001)
-        raise AssertionError("no result within 10 s")
-
-    def arrived(self, remote: list[int], local: list[int]) -> bool:
-        return all(np.array_equal(self.src.a[r * STRIDE:(r + 1) * STRIDE], self.dst[i * STRIDE:(i + 1) * STRIDE])
-                   for r, i in zip(remote, local, strict=True))
+        self.file = ShmFile(NB * STRIDE, seed=2)
+        super().__init__(consumer_options=consumer_options, src=self.file.a)
 
     def maps(self) -> list[str]:
-        return [line for line in mapped_ranges(self.src.ino) if "r--s" in line]
-
-    def close(self) -> None:
-        self.consumer.close()
-        self.producer.close()
+        """The consumer's read-only mappings of the producer's file."""
+        return [line for line in mapped_ranges(self.file.ino) if "r--s" in line]
 
 
 @pytest.fixture
@@ -170,7 +140,7 @@ def test_a_one_sided_read_of_a_shared_file_is_copied_from_the_consumers_mapping(
     res = mpair.read("r", [7, 5], [1, 2])
     assert res.ok and res.nbytes == 2 * STRIDE and mpair.arrived([7, 5], [1, 2])
     assert mpair.consumer.counters() == {"one_sided_reads": 1, "mapped_reads": 1, "granted_reads": 0}
-    mpair.src.a[7 * STRIDE:8 * STRIDE] ^= 0xFF  # the producer writes: the mapping shows its pages, not a copy
+    mpair.src[7 * STRIDE:8 * STRIDE] ^= 0xFF  # the producer writes: the mapping shows its pages, not a copy
     res = mpair.read("r", [7], [3])
     assert res.ok and mpair.arrived([7], [3])
 

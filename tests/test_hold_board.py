@@ -149,11 +149,12 @@ def test_a_failing_on_change_neither_raises_nor_loses_a_release() -> None:
 class Pair:
     """A producer and a consumer cma plane in this process; the producer's holds in a registry."""
 
-    def __init__(self, one_sided: bool = True, consumer_options: dict[str, int] | None = None) -> None:
-        self.src = np.random.default_rng(0).integers(0, 255, NB * STRIDE, dtype=np.uint8)
+    def __init__(self, one_sided: bool = True, consumer_options: dict[str, object] | None = None,
+                 src: np.ndarray | None = None) -> None:
+        self.src = np.random.default_rng(0).integers(0, 255, NB * STRIDE, dtype=np.uint8) if src is None else src
         self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
         self.producer = CmaDataPlane({"one_sided": one_sided})
-        self.consumer = CmaDataPlane(consumer_options)
+        self.consumer = CmaDataPlane(consumer_options)  # type: ignore[arg-type]
         self.producer.register([region(0, self.src)])
         self.consumer.register([region(0, self.dst)])
         self.holds = registry([0.0])
