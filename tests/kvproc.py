@@ -156,7 +156,7 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
                   num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
                   env: dict[str, str] | None = None, signal_first_write: bool = False,
                   use_block_manager: bool = False, local_id: str | None = None,
-                  kill_on_first_write: list[int] | None = None) -> None:
+                  kill_on_first_write: list[int] | None = None, announce_wait: bool = False) -> None:
     """Load one request, check it against the oracle, report (status, detail, elapsed).
 
     ``local_id`` is the id this side knows the request by (default: the producer's).
@@ -164,6 +164,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
     With ``signal_first_write`` it also says ("writing",) as soon as the first block changes, after
     SIGKILLing the pids in ``kill_on_first_write`` (here, not in the test's process: a kill sent from there
     can land after the last byte on a loaded machine).
+    With ``wait_s`` it first queues the request (``Connector.wait``) for that long; with ``announce_wait``
+    it says ("waiting", None) once queued.
     With ``use_block_manager`` the blocks come from a BlockManager reservation (``local_blocks``
     is ignored); a failed load is discarded there, and the detail reports the free count."""
     import os
@@ -188,6 +190,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
             local_blocks = alloc.block_ids
         if wait_s:
             c.wait(params.request_id, params)
+            if announce_wait:
+                conn.send(("waiting", None))
             time.sleep(wait_s)
         conn.send(("started", None))
         t0 = time.monotonic()

@@ -277,12 +277,22 @@ def test_a_read_before_the_hold_is_made_waits_for_it(conn: str) -> None:
 
 
 def test_lease_renewal_keeps_a_queued_request_held(conn: str) -> None:
-    # the lease must outlast spawning the consumer process; the queue wait is then 2.5 leases
+    """The hold is made once the consumer has queued the request (spawning the consumer can take
+    longer than a lease on a loaded machine); the queue wait is then 2.5 leases."""
     pcfg, dcfg = make_cfg("prefill", "P", connector=conn, lease_s=3.0), make_cfg("decode", "D", connector=conn)
+    blocks = [80, 81, 82, 83, 84, 85, 86]
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
-        (status, detail, _), = consume(dcfg, prod.params["req"], wait_s=7.5)
+        queued = msgspec.structs.replace(prod.params["req"], request_id="queued", block_ids=blocks)
+        p, cconn = start(consumer_main, enc(dcfg), 0, queued.to_bytes(), D_BLOCKS, wait_s=7.5, announce_wait=True)
+        assert recv(cconn, 60)[0] == "waiting"
+        _, pconn = prod.procs[0]
+        pconn.send(("hold", "queued", blocks, NTOK))
+        assert recv(pconn)[0] == "params"
+        recv(cconn, 60)  # started
+        status, detail, _ = recv(cconn, 90)[1:]
+        p.join(timeout=10)
         assert status == "ok", detail
-        assert prod.wait_released("req")
+        assert prod.wait_released("queued")
 
 
 def test_consumer_that_never_reads_lets_the_producer_free(conn: str) -> None:
