@@ -417,6 +417,50 @@ def test_a_busy_polling_engine_offers_its_core_while_its_loads_are_in_flight(
     assert len(yields) >= 4  # one poll may have found the load failed
 
 
+@pytest.mark.parametrize("pair", ["tcp", "cma"], indirect=True)
+def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(pair: tuple) -> None:
+    """With a transfer agent the engine's thread spends no GIL hand-off on a load: every byte moves
+    in the agent, and ``start_load`` and a tight ``poll()`` loop never release the GIL (a busy thread
+    of the engine would keep it for a switch interval, 5 ms, once given it). A thread that runs
+    only when the GIL is free (forced switches 60 s apart) gets no turn during 20 loads."""
+    p, pt, c, ct = pair
+    assert isinstance(c, AgentConnector)
+    first = p.hold("r0", [1], 16)
+    c.start_load("r0", first, [2])  # the first load handshakes
+    assert wait_for(c, "r0").receiving == ["r0"]
+    params = [p.hold(f"r{i}", [i + 1], 16) for i in range(1, 21)]  # round trips: made before the count
+    ticks, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # gives the GIL back at once
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=count, daemon=True)
+    sys.setswitchinterval(60.0)
+    try:
+        t.start()
+        while ticks[0] < 3:
+            time.sleep(0.001)
+        before, outs = ticks[0], []
+        for i, pr in enumerate(params, start=1):
+            c.start_load(f"r{i}", pr, [i + 30])
+            deadline = time.monotonic() + 30
+            while not (out := c.poll()) and time.monotonic() < deadline:
+                pass
+            outs.append(out)
+        during = ticks[0] - before
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join(timeout=5)
+    assert [o.receiving for o in outs] == [[f"r{i}"] for i in range(1, 21)], [o.errors for o in outs]
+    assert during == 0, f"the engine's thread released the GIL {during} times in 20 loads"
+    for i in range(1, 21):
+        assert torch.equal(pt[0][i + 1].view(torch.uint8), ct[0][i + 30].view(torch.uint8))
+
+
 @pytest.mark.parametrize("takes", ["sends", "declines", "raises"])
 def test_what_the_consumer_worker_finishes_goes_to_its_taker_or_wakes_the_waiters(takes: str) -> None:
     """The agent sends what the consumer's worker thread finished from that thread
