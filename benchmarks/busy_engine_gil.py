@@ -12,7 +12,10 @@ spinning thread gets it only when the interpreter forces a switch (``sys.getswit
 and the engine's thread waits as long to get it back: a load that spans such a switch takes about
 5 ms more. The table shows how often that happens (``> 3 ms``), besides the percentiles.
 
-    python benchmarks/busy_engine_gil.py [--plane cma] [--loads 300] [--rounds 3] [--json out.json]
+``--switch-ms M`` sets this process's switch interval (``sys.setswitchinterval``) first: what an
+engine that shortens it pays per crossing instead.
+
+    python benchmarks/busy_engine_gil.py [--plane cma] [--loads 300] [--rounds 3] [--switch-ms M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -78,8 +81,13 @@ def main() -> None:
     ap.add_argument("--plane", default="cma", choices=["cma", "tcp", "ucx"])
     ap.add_argument("--loads", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval for this process, in ms")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.switch_ms is not None:
+        if args.switch_ms <= 0:
+            ap.error(f"--switch-ms must be > 0, got {args.switch_ms:g}")
+        sys.setswitchinterval(args.switch_ms / 1e3)
     prefill = Connector.from_config(make_cfg("prefill", args.plane, 64, "agent"))
     decode = Connector.from_config(make_cfg("decode", args.plane, 64, "agent"))
     prefill.register_kv_caches(bench_cache(64, fill=True))
@@ -108,7 +116,8 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                          "cpus": len(os.sched_getaffinity(0)),
-                                         "plane": args.plane, "rows": rows}, indent=1))
+                                         "plane": args.plane, "switch_interval_s": sys.getswitchinterval(),
+                                         "loads": args.loads, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
 
 
