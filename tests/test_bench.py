@@ -104,6 +104,22 @@ def test_bench_repack_writes_json(tmp_path: Path) -> None:
     assert "memcpy" in r.stdout
 
 
+def test_the_busy_engine_script_alternates_idle_and_busy_rounds_and_refuses_a_zero_interval(tmp_path: Path) -> None:
+    out = tmp_path / "busy.json"
+    script = str(REPO / "benchmarks" / "busy_engine_gil.py")
+    r = subprocess.run([sys.executable, script, "--plane", "cma", "--loads", "3", "--rounds", "1", "--switch-ms", "4",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["switch_interval_s"] == 0.004 and got["plane"] == "cma"
+    assert [row["busy"] for row in got["rows"]] == ["idle", "thread", "process"]
+    assert all(row["loads"] == 3 and 0 < row["p10_us"] <= row["p50_us"] <= row["p90_us"] for row in got["rows"])
+    assert "busy/idle p50 (thread)" in r.stdout
+    bad = subprocess.run([sys.executable, script, "--switch-ms", "0"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert bad.returncode == 2 and "--switch-ms must be > 0, got 0" in bad.stderr
+
+
 def test_bench_e2e_compares_with_a_monolithic_instance(tmp_path: Path) -> None:
     """Two rounds on fresh instances, pooled: both rounds' requests count."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
