@@ -441,7 +441,9 @@ def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(pair: tuple) -
     sys.setswitchinterval(60.0)
     try:
         t.start()
+        started = time.monotonic() + 10
         while ticks[0] < 3:
+            assert time.monotonic() < started, "the counting thread did not run"
             time.sleep(0.001)
         before, outs = ticks[0], []
         for i, pr in enumerate(params, start=1):

@@ -103,6 +103,12 @@ class Producers:
             time.sleep(0.05)
         return False
 
+    def hold(self, rid: str, blocks: list[int], rank: int = 0) -> str:
+        """Hold ``rid`` on ``blocks`` now (filled as the oracle says); the reply's kind ("params")."""
+        conn = self.procs[rank][1]
+        conn.send(("hold", rid, blocks, NTOK))
+        return recv(conn)[0]
+
     def stats(self, rank: int = 0) -> dict[str, float]:
         conn = self.procs[rank][1]
         conn.send("stats")
@@ -254,16 +260,13 @@ def test_a_read_before_the_hold_is_made_waits_for_it(conn: str) -> None:
     blocks = [80, 81, 82, 83, 84, 85, 86]
     with Producers(pcfg, [("req", P_BLOCKS[:7], NTOK)]) as prod:
         early = msgspec.structs.replace(prod.params["req"], request_id="late", block_ids=blocks)
-        _, pconn = prod.procs[0]
         made: list[str] = []
 
         def hold_after_the_first_refusal() -> None:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                pconn.send("stats")
-                if recv(pconn)[1]["refused_reads"] >= 1:
-                    pconn.send(("hold", "late", blocks, NTOK))
-                    made.append(recv(pconn)[0])
+                if prod.stats()["refused_reads"] >= 1:
+                    made.append(prod.hold("late", blocks))
                     return
                 time.sleep(0.02)
 
@@ -285,9 +288,7 @@ def test_lease_renewal_keeps_a_queued_request_held(conn: str) -> None:
         queued = msgspec.structs.replace(prod.params["req"], request_id="queued", block_ids=blocks)
         p, cconn = start(consumer_main, enc(dcfg), 0, queued.to_bytes(), D_BLOCKS, wait_s=7.5, announce_wait=True)
         assert recv(cconn, 60)[0] == "waiting"
-        _, pconn = prod.procs[0]
-        pconn.send(("hold", "queued", blocks, NTOK))
-        assert recv(pconn)[0] == "params"
+        assert prod.hold("queued", blocks) == "params"
         recv(cconn, 60)  # started
         status, detail, _ = recv(cconn, 90)[1:]
         p.join(timeout=10)
