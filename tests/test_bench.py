@@ -120,6 +120,22 @@ def test_the_busy_engine_script_alternates_idle_and_busy_rounds_and_refuses_a_ze
     assert bad.returncode == 2 and "--switch-ms must be > 0, got 0" in bad.stderr
 
 
+def test_the_ucx_rma_script_checks_bytes_in_every_mode_and_producer_state(tmp_path: Path) -> None:
+    out = tmp_path / "rma.json"
+    script = str(REPO / "benchmarks" / "ucx_rma.py")
+    r = subprocess.run([sys.executable, script, "--blocks", "1", "2", "--loads", "3", "--rounds", "1",
+                        "--cache-mib", "16", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    keys = {(x["producer"], x["blocks"], x["mode"]) for x in got["rows"]}
+    assert keys == {(p, b, m) for p in ("idle", "spin") for b in (1, 2) for m in ("memcpy", "tag", "rma")}
+    assert all(x["bytes"] == x["blocks"] * 64 * (32 << 10) and 0 < x["p50_us"] <= x["p90_us"] for x in got["rows"])
+    assert "busy/idle speed, 2 block(s), rma" in r.stdout
+    bad = subprocess.run([sys.executable, script, "--blocks", "65"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert bad.returncode == 2 and "--blocks: each must be 1-64, got [65]" in bad.stderr
+
+
 def test_bench_e2e_compares_with_a_monolithic_instance(tmp_path: Path) -> None:
     """Two rounds on fresh instances, pooled: both rounds' requests count."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"

@@ -1,0 +1,119 @@
+"""One-sided UCX gets through connectors/ucx/rma.py between two real processes (real UCX, the
+ucx plane's transports): bytes arrive exactly, the producer's Python takes no part, an idle
+producer's native progress thread costs no core, and a region of no bytes is refused."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
+from kvxfer.connectors.ucx.rma import Getter, RemoteKey, map_region
+
+SIZE = 8 << 20
+TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"  # the ucx plane's default: gets are emulated on the producer's worker
+
+
+def _content() -> np.ndarray:
+    return np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _producer(conn: Any) -> None:
+    os.environ["UCX_TLS"] = TLS
+    from ucxx._lib import libucxx as ux
+
+    ctx = ux.UCXContext()
+    worker = ux.UCXWorker(ctx)
+    cache = _content()
+    key = map_region(ctx.handle, cache.ctypes.data, SIZE)
+    worker.start_progress_thread(polling_mode=False)
+    spinning = threading.Event()
+    spinning.set()
+
+    def spin() -> None:  # this process's Python stays busy: the gets must not need it
+        while spinning.is_set():
+            pass
+
+    threading.Thread(target=spin, daemon=True).start()
+    conn.send((worker.address.tobytes(), key.rkey, cache.ctypes.data))
+    if conn.poll(120) and conn.recv() == "idle":
+        spinning.clear()
+        time.sleep(0.5)
+        t0, c0 = time.monotonic(), _cpu()
+        time.sleep(2.0)
+        conn.send((_cpu() - c0) / (time.monotonic() - t0))
+        conn.poll(60)
+    worker.stop_progress_thread()
+    key.close()
+
+
+@pytest.fixture
+def producer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("UCX_TLS", TLS)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(theirs,), daemon=True)
+    proc.start()
+    assert ours.poll(120), "the producer did not start"
+    yield ours, *ours.recv()
+    ours.send("stop")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def _endpoint(address: bytes) -> tuple[Any, Any]:
+    from ucxx._lib import libucxx as ux
+
+    worker = ux.UCXWorker(ux.UCXContext())
+    ep = ux.UCXEndpoint.create_from_worker_address(worker, ux.UCXAddress.create_from_buffer(address), False)
+    return worker, ep
+
+
+def _wait(getter: Getter, req: int | None, worker: Any) -> None:
+    end = time.monotonic() + 30
+    while not getter.done(req):
+        worker.progress()
+        assert time.monotonic() < end, "the gets did not land within 30 s"
+
+
+def test_gets_deliver_the_producers_bytes_while_its_python_spins_and_cost_nothing_idle(producer: Any) -> None:
+    conn, address, rkey, base = producer
+    worker, ep = _endpoint(address)
+    key = RemoteKey(ep.handle, rkey)
+    getter = Getter(ep.handle)
+    rng = np.random.default_rng(0)
+    n = 300  # pieces of 1 byte to 64 KiB from random places, to random places of a local buffer
+    lengths = rng.integers(1, 64 << 10, n).astype(np.uint64)
+    src = rng.integers(0, SIZE - (64 << 10), n).astype(np.uint64)
+    dst = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    local = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    getter.get_pieces(key, dst + np.uint64(local.ctypes.data), src + np.uint64(base), lengths)
+    _wait(getter, getter.flush(), worker)
+    want = _content()
+    expected = np.concatenate([want[s : s + ln] for s, ln in zip(src.tolist(), lengths.tolist(), strict=True)])
+    assert np.array_equal(local, expected)
+    conn.send("idle")
+    assert conn.poll(60)
+    share = conn.recv()
+    assert share < 0.2, f"an idle producer's progress thread used {share:.2f} of a core"
+    key.close()
+
+
+def test_a_region_of_no_bytes_is_refused() -> None:
+    from ucxx._lib import libucxx as ux
+
+    ctx = ux.UCXContext()
+    with pytest.raises(ValueError, match="positive length"):
+        map_region(ctx.handle, 4096, 0)
