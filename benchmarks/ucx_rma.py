@@ -7,7 +7,9 @@ the ucx plane's transports (no CMA), by UCX's software emulation on the producer
 a native ucxx progress thread answers without the producer's GIL. This measures both ways in one
 process pair and one run, on the same cache layout (a block is ``--pieces`` pieces, one per
 layer and K/V, at random places in a cache of ``--cache-mib``), against a local copy of the same
-pieces (memcpy), with the producer idle and with a Python thread spinning in it.
+pieces (memcpy), with the producer idle, with a Python thread spinning in it (``spin``: its GIL
+taken), and with a spinning process of its own beside the pair (``cpu``: a core taken, no GIL; the
+control that tells the two apart on a host with few cores).
 
 Modes: ``memcpy`` (the consumer copies the pieces within its own memory: the floor), ``tag`` (the
 plane's way, raw: a request message, the producer's Python gathers the pieces with numpy into a
@@ -23,6 +25,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -32,6 +35,7 @@ import numpy as np
 
 PIECE = 32 << 10
 TAG_REQUEST, TAG_REPLY = 1, 2
+STATES = ("idle", "spin", "cpu")  # the producer: idle, a Python thread spinning in it, a spinning process beside
 UCX_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"  # the ucx plane's default set (connectors/ucx DEFAULT_TLS)
 
 
@@ -136,6 +140,7 @@ class Consumer:
         self.staging = np.empty(64 * pieces * PIECE, dtype=np.uint8)
         self.num_blocks = cache_bytes // (pieces * PIECE)
         self.lengths = np.full(64 * pieces, PIECE, dtype=np.uint64)
+        self.rkeys = np.full(64 * pieces, self.key.handle, dtype=np.uint64)
 
     def load(self, mode: str, ids: np.ndarray) -> None:
         offs = offsets(ids, self.pieces, self.num_blocks)
@@ -146,7 +151,7 @@ class Consumer:
         elif mode == "rma":
             local = offs.astype(np.uint64) + np.uint64(self.cache.ctypes.data)
             remote = offs.astype(np.uint64) + np.uint64(self.remote_base)
-            self.getter.get_pieces(self.key, local, remote, self.lengths[: len(offs)])
+            self.getter.get_pieces(self.rkeys[: len(offs)], local, remote, self.lengths[: len(offs)])
             req = self.getter.flush()
             end = time.monotonic() + 30
             while not self.getter.done(req):
@@ -227,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in a.modes:  # warm-up: endpoints wired, pages touched
             c.round(mode, 1, 20, rng)
         for r in range(a.rounds):
-            for busy in ("idle", "spin"):
-                c.command(busy)
+            for busy in STATES:
+                hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy == "cpu" else None
+                c.command("spin" if busy == "spin" else "idle")
                 for blocks in a.blocks:
                     for mode in a.modes:
                         t = np.array(c.round(mode, blocks, a.loads, rng))
@@ -239,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         print(f"round {r} producer {busy:4} {blocks:2} block(s) {mode:6} p50 {row['p50_us']:8.0f} us "
                               f"p90 {row['p90_us']:8.0f} us  {row['gbps_p50']:6.2f} GB/s", flush=True)
+                if hog is not None:
+                    hog.kill()
+                    hog.wait(10)
             c.command("idle")
+        for ep in (c.rma_ep, c.tag_ep):  # closed without waiting for the producer, which stops next
+            ep.close()
+            ep.remove_close_callback()
         c.command("stop")
     finally:
         proc.join(30)
@@ -248,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmedian over rounds (p50 us; ratio to memcpy in the same round and producer state)")
     print(f"{'producer':8} {'blocks':>6} " + " ".join(f"{m:>14}" for m in a.modes))
     summary: list[dict[str, Any]] = []
-    for busy in ("idle", "spin"):
+    for busy in STATES:
         for blocks in a.blocks:
             cells = []
             for mode in a.modes:
@@ -260,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{busy:8} {blocks:6} " + " ".join(f"{x:>14}" for x in cells))
     for blocks in a.blocks:
         for mode in a.modes:
-            idle, spin = (_p50s(summary, busy, blocks, mode)[0] for busy in ("idle", "spin"))
-            print(f"busy/idle speed, {blocks} block(s), {mode}: {idle / spin:.2f}")
+            idle, spin, cpu = (_p50s(summary, busy, blocks, mode)[0] for busy in STATES)
+            print(f"busy/idle speed, {blocks} block(s), {mode}: {idle / spin:.2f} (spinning process: {idle / cpu:.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "ucx_tls": os.environ.get("UCX_TLS"), "rows": rows, "summary": summary}, f,

@@ -128,7 +128,7 @@ def test_the_ucx_rma_script_checks_bytes_in_every_mode_and_producer_state(tmp_pa
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())
     keys = {(x["producer"], x["blocks"], x["mode"]) for x in got["rows"]}
-    assert keys == {(p, b, m) for p in ("idle", "spin") for b in (1, 2) for m in ("memcpy", "tag", "rma")}
+    assert keys == {(p, b, m) for p in ("idle", "spin", "cpu") for b in (1, 2) for m in ("memcpy", "tag", "rma")}
     assert all(x["bytes"] == x["blocks"] * 64 * (32 << 10) and 0 < x["p50_us"] <= x["p90_us"] for x in got["rows"])
     assert "busy/idle speed, 2 block(s), rma" in r.stdout
     bad = subprocess.run([sys.executable, script, "--blocks", "65"], capture_output=True, text=True, timeout=60,

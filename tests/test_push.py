@@ -206,5 +206,5 @@ def test_push_through_transfer_agents(case: str, conn: str) -> None:
         push.pushed()
         for status, detail, landed, _, _ in push.results():
             assert status == "ok", (status, detail)
-            assert landed == [0, 1, 2, 3]
+            assert sorted(landed) == [0, 1, 2, 3], landed  # each layer once; reads may finish out of order
         assert push.released()

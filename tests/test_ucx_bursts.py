@@ -5,7 +5,8 @@ over UCX), the producer's reads checked by a real HoldRegistry. Checked: the rea
 arrive bit-exact and are reported each alone, with one request served for all; a read of a
 request the producer does not hold makes it refuse the joint request, and each read is then
 asked for alone (the held ones arrive, the other fails as not held, by itself); reads of large
-pieces (sent piece by piece, not staged) are not joined.
+pieces (sent piece by piece, not staged) are not joined two-sided; one-sided (``reads:
+one-sided``) every read of a burst is one grant. The first two run both ways.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ class Pair(CmaPair):
         gc.collect()
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    p = Pair()
+@pytest.fixture(params=["one-sided", "two-sided"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = Pair({"reads": request.param})
     yield p
     p.close()
 
@@ -93,13 +94,16 @@ def test_a_refused_part_makes_each_read_ask_alone(pair: Pair) -> None:
     assert pair.served == [3, 1, 1, 1], "the joint request, refused; then each alone"
 
 
-def test_reads_of_large_pieces_are_not_joined() -> None:
-    p = Pair({"staging_threshold": STRIDE})  # pieces of STRIDE bytes are sent as they are
+@pytest.mark.parametrize("reads", ["one-sided", "two-sided"])
+def test_reads_of_large_pieces_are_joined_only_one_sided(reads: str) -> None:
+    """Two-sided, pieces of STRIDE bytes are sent as they are, a reply per read; one-sided, the
+    grant of a burst is one request whatever the pieces' size (the consumer gets them itself)."""
+    p = Pair({"staging_threshold": STRIDE, "reads": reads})
     try:
         p.holds.hold("a", [1], 16)
         p.holds.hold("b", [2], 16)
         out = p.burst([("a", [1], [8]), ("b", [2], [9])])
         assert out["a"].ok and out["b"].ok and p.arrived([1, 2], [8, 9])
-        assert p.served == [1, 1]
+        assert p.served == ([2] if reads == "one-sided" else [1, 1])
     finally:
         p.close()

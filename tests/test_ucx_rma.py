@@ -1,12 +1,14 @@
 """One-sided UCX gets through connectors/ucx/rma.py between two real processes (real UCX, the
 ucx plane's transports): bytes arrive exactly, the producer's Python takes no part, an idle
-producer's native progress thread costs no core, and a region of no bytes is refused."""
+producer's native progress thread costs no core, a producer killed mid-read fails the read as a
+lost peer, and a region of no bytes is refused."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import resource
+import signal
 import threading
 import time
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
-from kvxfer.connectors.ucx.rma import Getter, RemoteKey, map_region
+from kvxfer.connectors.ucx.rma import Getter, RemoteKey, UcxRmaError, map_region
 
 SIZE = 8 << 20
 TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"  # the ucx plane's default: gets are emulated on the producer's worker
@@ -81,6 +83,13 @@ def _endpoint(address: bytes) -> tuple[Any, Any]:
     return worker, ep
 
 
+def _close(ep: Any) -> None:
+    """Close without waiting for the peer (as the plane does, runtime.close_now): ucxx's finalizer
+    would otherwise flush towards it, for ever if it is dead."""
+    ep.close()
+    ep.remove_close_callback()
+
+
 def _wait(getter: Getter, req: int | None, worker: Any) -> None:
     end = time.monotonic() + 30
     while not getter.done(req):
@@ -99,7 +108,8 @@ def test_gets_deliver_the_producers_bytes_while_its_python_spins_and_cost_nothin
     src = rng.integers(0, SIZE - (64 << 10), n).astype(np.uint64)
     dst = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
     local = np.zeros(int(lengths.sum()), dtype=np.uint8)
-    getter.get_pieces(key, dst + np.uint64(local.ctypes.data), src + np.uint64(base), lengths)
+    getter.get_pieces(np.full(n, key.handle, dtype=np.uint64), dst + np.uint64(local.ctypes.data),
+                      src + np.uint64(base), lengths)
     _wait(getter, getter.flush(), worker)
     want = _content()
     expected = np.concatenate([want[s : s + ln] for s, ln in zip(src.tolist(), lengths.tolist(), strict=True)])
@@ -109,6 +119,59 @@ def test_gets_deliver_the_producers_bytes_while_its_python_spins_and_cost_nothin
     share = conn.recv()
     assert share < 0.2, f"an idle producer's progress thread used {share:.2f} of a core"
     key.close()
+    _close(ep)
+
+
+def test_a_producer_killed_mid_read_fails_the_flush_as_a_lost_peer() -> None:
+    """512 MiB of gets in flight, the producer SIGKILLed once the first bytes land: the flush
+    fails (a ConnectionError with UCX's negative status), it does not report the read done."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_big_producer, args=(theirs,), daemon=True)
+    proc.start()
+    try:
+        assert ours.poll(120), "the producer did not start"
+        address, rkey, base = ours.recv()
+        worker, ep = _endpoint(address)
+        key = RemoteKey(ep.handle, rkey)
+        getter = Getter(ep.handle)
+        n = BIG // (32 << 10)
+        local = np.zeros(BIG, dtype=np.uint8)
+        at = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(32 << 10)  # backwards: not joined, many gets
+        getter.get_pieces(np.full(n, key.handle, dtype=np.uint64), at + np.uint64(local.ctypes.data),
+                          at + np.uint64(base), np.full(n, 32 << 10, dtype=np.uint64))
+        req = getter.flush()
+        end = time.monotonic() + 30
+        while not local[-1]:  # the first get's last byte
+            worker.progress()
+            assert time.monotonic() < end
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(UcxRmaError) as e:
+            while not getter.done(req):
+                worker.progress()
+                assert time.monotonic() < end, "the flush neither failed nor completed"
+        assert isinstance(e.value, ConnectionError) and e.value.status < 0
+        assert not local[: 32 << 10].all(), "the last get landed: the kill came too late to test anything"
+        _close(ep)
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
+BIG = 512 << 20
+
+
+def _big_producer(conn: Any) -> None:
+    os.environ["UCX_TLS"] = TLS
+    from ucxx._lib import libucxx as ux
+
+    ctx = ux.UCXContext()
+    worker = ux.UCXWorker(ctx)
+    cache = np.ones(BIG, dtype=np.uint8)
+    key = map_region(ctx.handle, cache.ctypes.data, BIG)
+    worker.start_progress_thread(polling_mode=False)
+    conn.send((worker.address.tobytes(), key.rkey, cache.ctypes.data))
+    time.sleep(120)
 
 
 def test_a_region_of_no_bytes_is_refused() -> None:

@@ -9,9 +9,32 @@ and falls back to tcp). With error handling off UCX does not report a dead peer,
 every read, and every reply a producer sends, has its own deadline; endpoints are closed
 without waiting for the peer (close_now).
 
-A read is two-sided: the consumer posts receives, then sends a read request to the
-producer's control socket (ZMQ; hellos travel there too); the producer checks it
-(registered regions, held blocks, token) and sends a reply header and the data over UCX.
+A read is two-sided by default; with ``reads: one-sided`` on both sides (option ``reads``,
+not yet the default: see below) the consumer sends a read request to the
+producer's control socket (ZMQ; hellos travel there too), the producer checks it (registered
+regions, held blocks, token) and sends back a reply header alone over UCX; the consumer then
+gets the pieces itself (``ucp_get_nbx``, rma.py) from an endpoint to the producer's RMA worker,
+and one endpoint flush tells it they landed. UCX serves the gets by RDMA where the fabric has
+it, and otherwise (one host, CMA out) emulates them on the producer's RMA worker, which a native
+ucxx progress thread answers: no byte waits for the producer's Python (a busy prefill worker,
+vLLM's) nor for a bounded shared-memory FIFO that both processes must refill. Measured here
+(benchmarks/ucx_rma.py, 2 MiB as 64 pieces, p50 of three rounds): 0.48-0.66 ms against 1.0-1.2 ms
+two-sided; 16 MiB 3.4-4.3 against 11-13 ms; with a Python thread spinning in the producer
+0.51-0.75 against 2.6-5.6 ms. The grant
+keeps every check on the producer; the producer maps each region (``ucp_mem_map``) at
+registration and publishes the packed keys in its address.
+
+Why one-sided is not the default yet: every consumer's gets go through the producer's one RMA
+worker, and with shared memory a consumer killed while writing a get request into that worker's
+FIFO leaves a slot claimed and never filled, so the producer's one-sided reads stall for every
+other consumer (seen in tests/test_faults.py's consumer-killed-mid-read case: the next consumer
+could not connect). The consumer's side has the cure already (each producer's gets on a worker of
+their own, retired after a failure); the producer needs an RMA worker per consumer.
+
+``reads: two-sided`` (the default) is the protocol every test covers: the consumer posts receives
+and the producer sends a reply header and the data over UCX. A producer set so maps nothing and
+hands out no keys, so every byte it serves is one it sent itself (docs/security.md); a one-sided
+consumer refuses to connect to it, by name.
 The control messages stay off UCX on purpose: a tag receive posted while idle keeps
 ucxx's blocking progress from re-arming its worker, and it spins a whole core (measured:
 an idle plane at 100% CPU that way, 0.2% now). Per-message cost dominates small pieces (16-24 us
@@ -65,17 +88,28 @@ from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
     HostRegionPlane,
+    MemoryRegion,
     ReadRefused,
     check_bounds,
-    check_read_parts,
 )
-from kvxfer.handshake import serve_socket
-from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 
+from .rma import Getter, MemoryKey, RemoteRegions, UcxRmaError, map_region
 from .runtime import UcxRuntime, close_now
-from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, gather_pieces, scatter_pieces
-from .wire import HEADER_BYTES, KIND_DATA, KIND_HEADER, MAX_CONTROL_BYTES, REPLY_LENGTH, Hello, UcxAddress, message_tag
+from .serving import Serving
+from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, scatter_pieces
+from .wire import (
+    GRANT_ONLY,
+    HEADER_BYTES,
+    KIND_DATA,
+    KIND_HEADER,
+    MAX_CONTROL_BYTES,
+    REPLY_LENGTH,
+    Hello,
+    UcxAddress,
+    message_tag,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +121,7 @@ logger = logging.getLogger(__name__)
 # RDMA included, stays. Measured here: 12.0 GB/s for one 512 MiB message with this set.
 DEFAULT_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"
 MAX_MERGED_PIECES = 1 << 14  # pieces of the staged reads that go to a producer as one request
-OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host"}
+OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host", "reads"}
 
 
 @dataclass
@@ -109,6 +143,20 @@ class _Part:
 
 
 @dataclass
+class _Rma:
+    """One-sided reads from one producer: a worker of their own (so a producer that dies while
+    its replies fill that worker's shared-memory FIFO wedges nothing of other producers'), an
+    endpoint from it to the producer's RMA worker, its regions' keys unpacked there, the getter.
+    Retired, never reused, when a read from that producer fails or the receive worker is renewed:
+    unprogressed, it lands no late byte."""
+
+    ctx: Any  # an ApplicationContext around the worker (UcxRuntime.new_receive_worker)
+    endpoint: Any
+    regions: RemoteRegions
+    getter: Getter
+
+
+@dataclass
 class _Peer:
     """A producer this plane reads from, as seen from one receive worker."""
 
@@ -117,10 +165,12 @@ class _Peer:
     dealer: Any  # ZMQ DEALER to its control socket (loop thread only)
     endpoint: Any  # on the receiver's worker
     receiver: _Receiver
+    rma: _Rma | None = None  # set when this plane reads one-sided
     reading: int = 0  # reads in flight on this endpoint
 
 
-class UcxDataPlane(HostRegionPlane):
+
+class UcxDataPlane(Serving, HostRegionPlane):
     """Reads over UCX tag messages; see the module docstring for the protocol."""
 
     name = "ucx"
@@ -137,6 +187,10 @@ class UcxDataPlane(HostRegionPlane):
         self.chunk_bytes = int(o.get("chunk_bytes", 1 << 20))
         self.inflight = int(o.get("inflight", 16))
         self.timeout_s = float(o.get("timeout_s", 30.0))
+        reads = str(o.get("reads", "two-sided"))
+        if reads not in ("one-sided", "two-sided"):
+            raise ValueError(f"connector.data_plane.reads: expected one-sided or two-sided, got {reads!r}")
+        self.one_sided = reads == "one-sided"
         for name, v in (("chunk_bytes", self.chunk_bytes), ("inflight", self.inflight),
                         ("timeout_s", self.timeout_s)):
             if v <= 0:
@@ -159,6 +213,8 @@ class UcxDataPlane(HostRegionPlane):
         self._serving: set[asyncio.Future[None]] = set()
         self._client_names: dict[tuple[bytes, int], str] = {}  # the engine id each consumer said hello as
         self._send_staging, self._recv_staging = StagingPool(), StagingPool()  # (loop thread only)
+        self._keys: dict[int, MemoryKey] = {}  # producer side: each region mapped for one-sided reads
+        self._unmapped: set[int] = set()  # regions UCX would not map (their reads are refused one-sided)
         self._space = AddressSpace({})
         self._space_of: object = None  # the region table _space was built from
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -177,8 +233,33 @@ class UcxDataPlane(HostRegionPlane):
             self._space, self._space_of = AddressSpace(self._regions), self._table
         return self._space
 
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register, and map each region on the UCX context for one-sided reads (its packed key
+        goes out in ``address``). A region UCX will not map is logged, and one-sided reads of it
+        are refused by name (the consumer sets ``reads: two-sided``)."""
+        super().register(regions)
+        if not self.one_sided:  # a two-sided producer hands out no keys: it serves every byte itself
+            return
+        for r in regions:
+            try:
+                self._keys[r.region_id] = map_region(self.rt.context_handle, r.address, r.length)
+            except (UcxRmaError, ValueError) as e:
+                self._unmapped.add(r.region_id)
+                logger.warning("ucx plane %d: region %d not mapped for one-sided reads: %s", self.plane_id,
+                               r.region_id, e)
+
+    def unregister(self, region_ids: Sequence[int]) -> None:
+        super().unregister(region_ids)
+        for rid in region_ids:
+            self._unmapped.discard(rid)
+            key = self._keys.pop(rid, None)
+            if key is not None:
+                key.close()
+
     def address(self) -> bytes:
-        return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr))
+        keys = {rid: (k.address, k.length, k.rkey) for rid, k in self._keys.items()}
+        return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr,
+                                                 rma=self.rt.rma_address() if keys else b"", regions=keys))
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
@@ -188,6 +269,9 @@ class UcxDataPlane(HostRegionPlane):
             raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
         if peer_id in self._peers:
             return
+        if self.one_sided and not (addr.rma and addr.regions):
+            raise ConnectionError(f"peer {peer_id} offers no one-sided ucx reads (an older kvxfer, or UCX would not "
+                                  f"map its memory): set connector.data_plane.reads: two-sided")
         self.rt.submit(self._connect(peer_id, addr, token)).result(timeout=self.timeout_s)
 
     async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes) -> None:
@@ -212,10 +296,48 @@ class UcxDataPlane(HostRegionPlane):
         ucxx = self.ucxx
         ep = await receiver.ctx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
                                                                     endpoint_error_handling=False)
+        rma: _Rma | None = None
+        if self.one_sided:
+            try:
+                rma = await self._rma_to(addr)
+            except BaseException:
+                close_now(ep)
+                raise
         dealer.send(b"H" + msgspec.msgpack.encode(Hello(worker=receiver.address, plane=self.plane_id,
                                                          engine_id=self.engine_id, token=token,
                                                          session=self._session)))
-        return _Peer(addr, token, dealer, ep, receiver)
+        return _Peer(addr, token, dealer, ep, receiver, rma)
+
+    async def _rma_to(self, addr: UcxAddress) -> _Rma:
+        """A worker and endpoint for one-sided reads from one producer, wired up now (a flush:
+        the first load does not pay for it) within the plane's timeout."""
+        ctx = self.rt.new_receive_worker()
+        ep = None
+        try:
+            ep = await ctx.create_endpoint_from_worker_address(self.ucxx.get_ucx_address_from_buffer(addr.rma),
+                                                               endpoint_error_handling=False)
+            handle = ep._ep.handle
+            rma = _Rma(ctx, ep, RemoteRegions(handle, dict(addr.regions)), Getter(handle))
+            req = rma.getter.flush()
+            async with self.rt.active():
+                await asyncio.wait_for(self._landed(rma.getter, req), self.timeout_s)
+            return rma
+        except BaseException:
+            self.rt.retire_receive_worker(ctx, [ep] if ep is not None else [], keep_s=1.0)
+            raise
+
+    @staticmethod
+    async def _landed(getter: Getter, req: int | None) -> None:
+        while not getter.done(req):  # a producer that died fails the flush (UcxRmaError: the peer is lost)
+            await asyncio.sleep(0)
+
+    def _retire_rma(self, peer: _Peer) -> None:
+        if peer.rma is not None:
+            if not peer.reading:
+                peer.rma.regions.close()  # with reads in flight the keys are left to the retired worker
+            keep_s = self.timeout_s + 1.0 if peer.reading else 1.0  # freed once the reads on it unwound
+            self.rt.retire_receive_worker(peer.rma.ctx, [peer.rma.endpoint], keep_s=keep_s)
+            peer.rma = None
 
     def disconnect(self, peer_id: str) -> None:
         if peer_id not in self._peers:
@@ -237,6 +359,7 @@ class UcxDataPlane(HostRegionPlane):
         if peer.reading and peer.receiver is self._receiver:
             await self._renew_receiver(peer, f"peer {peer_id} dropped with {peer.reading} read(s) in flight")
         else:
+            self._retire_rma(peer)
             close_now(peer.endpoint)
 
     async def _renew_receiver(self, dropped: _Peer, why: str) -> None:
@@ -246,6 +369,8 @@ class UcxDataPlane(HostRegionPlane):
         self._receiver = self._new_receiver()
         self.rt.retire_receive_worker(old.ctx, [dropped.endpoint] + [p.endpoint for p in moving.values()],
                                       keep_s=self.timeout_s + 1.0)
+        for p in (dropped, *moving.values()):  # their gets stop too; _hello gives the moved ones fresh workers
+            self._retire_rma(p)
         current = asyncio.current_task()
         cancelled = [t for t in old.reads if t is not current and not t.done()]
         for task in cancelled:
@@ -287,7 +412,7 @@ class UcxDataPlane(HostRegionPlane):
                                          ErrorCode.OUT_OF_BOUNDS if why else None))
                 continue
             part = _Part(batch_id, request_id, d)
-            if self._staged(d):
+            if self.one_sided or self._staged(d):
                 staged.setdefault(peer_id, []).append(part)
             else:
                 self.rt.submit(self._read(peer_id, [part]))
@@ -320,6 +445,10 @@ class UcxDataPlane(HostRegionPlane):
         first = parts[0]
         d = first.d if len(parts) == 1 else Descriptors.concat([p.d for p in parts])
         staged = self._staged(d)
+        if self.one_sided and peer.rma is None:  # retired with a failed read; never read two-sided instead
+            self._fail(peer_id, parts, ErrorCode.PEER_LOST, f"peer {peer_id}: its one-sided reads were stopped")
+            return
+        chunk = GRANT_ONLY if self.one_sided else self.chunk_bytes if staged else 0
         tag = self.ucxx.types.Tag
         task = asyncio.current_task()
         assert task is not None
@@ -333,12 +462,11 @@ class UcxDataPlane(HostRegionPlane):
             data_tag = tag(message_tag(self.plane_id, KIND_DATA, first.batch_id))
             req = ReadRequest(request_id=first.request_id, batch_id=first.batch_id, regions=d.remote_region.tobytes(),
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
-                              token=msgspec.msgpack.encode([receiver.address, self.plane_id,
-                                                            self.chunk_bytes if staged else 0]),
+                              token=msgspec.msgpack.encode([receiver.address, self.plane_id, chunk]),
                               parts=[(p.request_id, len(p.d)) for p in parts] if len(parts) > 1 else [])
             peer.dealer.send(b"R" + encode(req))
             async with self.rt.active():
-                await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged), self.timeout_s)
+                await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged, peer.rma), self.timeout_s)
             for p in parts:
                 self._finish(BatchResult(p.batch_id, peer_id, p.request_id, p.d.nbytes, None))
         except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10, one from 3.11
@@ -369,7 +497,7 @@ class UcxDataPlane(HostRegionPlane):
             await asyncio.gather(*(self._read(peer_id, [p]) for p in parts))
 
     async def _receive(self, ep: Any, hdr: Any, header: np.ndarray, data_tag: Any, d: Descriptors,
-                       staged: bool) -> None:
+                       staged: bool, rma: _Rma | None) -> None:
         await hdr
         (n,) = REPLY_LENGTH.unpack(header[:4].tobytes())
         reply = decode_data(header[4 : 4 + n].tobytes())
@@ -377,7 +505,9 @@ class UcxDataPlane(HostRegionPlane):
             raise ConnectionError(f"unexpected reply {type(reply).__name__}")
         if reply.error:
             raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-        if staged:
+        if rma is not None:
+            await self._get(rma, d)
+        elif staged:
             chunks = chunk_ranges(d.length, self.chunk_bytes)
             sizes = chunk_sizes(d.length, chunks)
             buf = self._recv_staging.take(max(sizes))
@@ -393,136 +523,15 @@ class UcxDataPlane(HostRegionPlane):
             for i in range(0, len(views), self.inflight):
                 await asyncio.gather(*(ep.recv(v, tag=data_tag, force_tag=True) for v in views[i : i + self.inflight]))
 
-    # ------------------------------------------------------------------ producer
-    def _control_thread(self) -> None:
-        """Hellos and read requests arrive on a ZMQ socket, not a posted UCX receive: with a
-        receive always posted, ucxx's blocking progress never re-arms and spins a core."""
-        serve_socket("ucx control", self._ctrl, self._on_control, lambda: self._closed)
-        self._ctrl.close(linger=0)
-
-    def _on_control(self, parts: list[bytes]) -> None:
-        if len(parts) != 2 or not parts[1]:
-            return
-        kind, payload = parts[1][:1], parts[1][1:]
-        try:
-            if kind == b"H":
-                # done before the next message: a read must find the endpoint back in place
-                self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
-                    timeout=self.timeout_s)
-            elif kind == b"R":
-                msg = decode_data(payload)
-                if isinstance(msg, ReadRequest):
-                    self.rt.submit(self._serve(msg))
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            self._refuse_once("?", ErrorCode.BAD_MESSAGE, f"control message refused: {e}")
-
-    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
-        key = (peer, code.value)
-        if key not in self._refused:
-            self._refused.add(key)
-            logger.warning("ucx data plane refused peer %s: %s", peer, why)
-
-    async def _on_hello(self, hello: Hello) -> None:
-        if self._token_checker is not None and not self._token_checker(hello.token):
-            self._refuse_once(hello.engine_id, ErrorCode.AUTH, "connection without a valid handshake token: ignored")
-            return
-        key = (hello.worker, hello.plane)
-        old = self._clients.pop(key, None)
-        if old is not None:  # the consumer connected again: it dropped its end after a failure
-            close_now(old)
-        previous = self._sessions.get(hello.session) if hello.session else None
-        if previous is not None and previous != key:
-            # the consumer retired its receive worker: nothing sent there will be taken (sends
-            # under way to it end at their deadline, in _serve)
-            self._forget_client(previous)
-        ucxx = self.ucxx
-        self._clients[key] = await ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
-        self._client_names[key] = hello.engine_id
-        if hello.session:
-            self._sessions[hello.session] = key
-
-    def _forget_client(self, key: tuple[bytes, int]) -> str:
-        ep = self._clients.pop(key, None)
-        if ep is not None:
-            close_now(ep)
-        for session in [s for s, k in self._sessions.items() if k == key]:
-            del self._sessions[session]
-        return self._client_names.pop(key, f"unknown worker ({len(key[0])}-byte address)")
-
-    async def _serve(self, req: ReadRequest) -> None:
-        """One read, within the plane's deadline: a consumer that stops taking its reply (stopped,
-        dead, or its receive worker retired) must not keep the sends, and the loop's continuous
-        progress, going for ever. It is forgotten; its next connect says hello again."""
-        try:
-            worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._refuse_once("?", ErrorCode.BAD_MESSAGE, "read request without a reply address")
-            return
-        async with self.rt.active():
-            try:
-                await asyncio.wait_for(self._serve_read(req, (worker, plane), chunk), self.timeout_s)
-            except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10
-                name = self._forget_client((worker, plane))
-                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
-                               self.plane_id, req.request_id, name, self.timeout_s)
-            except Exception as e:  # supervised: this reply is given up; the next read is served
-                report("ucx serve", e, f"read for {req.request_id}")
-
-    async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
-        worker, plane = client
-        ep = self._clients.get(client)
-        peer = self._client_names.get(client, f"unknown worker ({len(worker)}-byte address)")
-        if ep is None:
-            self._refuse_once(peer, ErrorCode.AUTH, "read request from a consumer that never said hello (or was "
-                              "refused)")
-            return
-        tag = self.ucxx.types.Tag
-        try:
-            why, d = check_read_parts(self._table, self._validator, req.request_id, req.regions, req.offsets,
-                                      req.lengths, req.parts)
-        except Exception as e:  # refused as internal: the consumer hears at once, not at its deadline
-            report("ucx serve", e, f"read for {req.request_id} from {peer}")
-            why, d = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}"), Descriptors.from_rows([])
-        regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
-        if why:
-            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
-            reply = ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
-        else:
-            reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)
-        payload = encode(reply)
-        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
-        header[: 4 + len(payload)] = np.frombuffer(REPLY_LENGTH.pack(len(payload)) + payload, dtype=np.uint8)
-        # the header goes while the first chunk is gathered (it was awaited before the gather began)
-        header_sent = asyncio.ensure_future(ep.send(header, tag=tag(message_tag(plane, KIND_HEADER, req.batch_id)),
-                                                    force_tag=True))
-        try:
-            if why:
-                await header_sent
-                return
-            data_tag = tag(message_tag(plane, KIND_DATA, req.batch_id))
-            if chunk:
-                chunks = chunk_ranges(lengths, chunk)
-                sizes = chunk_sizes(lengths, chunks)
-                buf = self._send_staging.take(max(sizes))
-                for (a, b), size in zip(chunks, sizes, strict=True):
-                    gather_pieces(self._arrays, regions[a:b], offsets[a:b], lengths[a:b], buf,
-                                  self._address_space())
-                    await header_sent
-                    await ep.send(buf[:size], tag=data_tag, force_tag=True)
-                self._send_staging.give(buf)  # not on a failure: a send may still read from it
-            else:
-                await header_sent
-                arrs = self._arrays
-                views = [arrs[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
-                                                                strict=True)]
-                for i in range(0, len(views), self.inflight):
-                    await asyncio.gather(*(ep.send(v, tag=data_tag, force_tag=True)
-                                           for v in views[i : i + self.inflight]))
-        except Exception as e:
-            if not header_sent.done():  # a gather failed first: the header's outcome is still collected
-                await asyncio.gather(header_sent, return_exceptions=True)
-            self._refuse_once(peer, ErrorCode.PEER_LOST, f"send for {req.request_id} failed: {e}")
+    async def _get(self, rma: _Rma, d: Descriptors) -> None:
+        """The granted pieces, got one-sided into this side's regions; returns once they landed
+        (an endpoint flush, progressed by the loop's spinner while the caller is active)."""
+        space = self._address_space()
+        local = space.at(d.local_region, d.local_offset, d.length).astype(np.uint64) + np.uint64(
+            space.flat.ctypes.data)
+        remote, keys = rma.regions.at(d.remote_region, d.remote_offset, d.length)
+        rma.getter.get_pieces(keys, local, remote, d.length.astype(np.uint64))
+        await self._landed(rma.getter, rma.getter.flush())
 
     # ------------------------------------------------------------------ both
     def broken(self) -> str | None:

@@ -35,10 +35,12 @@ _FIELD_ADDRESS, _FIELD_LENGTH = 1 << 0, 1 << 1  # UCP_MEM_MAP_PARAM_FIELD_*
 _PARAM_BYTES = 128  # a ucp_request_param_t (72 bytes in UCX 1.21) with no fields set
 _ERR_PTR_MIN = (1 << 64) - 4096  # UCS_PTR_IS_ERR: a returned "pointer" that is a negative status
 _vp = ctypes.c_void_p
+_status = ctypes.c_int8  # ucs_status_t is a packed enum: one signed byte
 
 
-class UcxRmaError(RuntimeError):
-    """A libucp call failed; ``status`` is UCX's ``ucs_status_t`` (negative)."""
+class UcxRmaError(ConnectionError):
+    """A libucp call failed; ``status`` is UCX's ``ucs_status_t`` (negative). A ConnectionError:
+    a get or flush fails when the peer is gone (its process died, the link broke)."""
 
     def __init__(self, call: str, status: int) -> None:
         super().__init__(f"{call} failed: UCX status {status}")
@@ -55,19 +57,19 @@ class _Ucp:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
         self.mem_map = lib.ucp_mem_map
         self.mem_map.argtypes = [_vp, _vp, ctypes.POINTER(_vp)]
-        self.mem_map.restype = ctypes.c_int
+        self.mem_map.restype = _status
         self.mem_unmap = lib.ucp_mem_unmap
         self.mem_unmap.argtypes = [_vp, _vp]
-        self.mem_unmap.restype = ctypes.c_int
+        self.mem_unmap.restype = _status
         self.rkey_pack = lib.ucp_rkey_pack
         self.rkey_pack.argtypes = [_vp, _vp, ctypes.POINTER(_vp), ctypes.POINTER(ctypes.c_size_t)]
-        self.rkey_pack.restype = ctypes.c_int
+        self.rkey_pack.restype = _status
         self.rkey_buffer_release = lib.ucp_rkey_buffer_release
         self.rkey_buffer_release.argtypes = [_vp]
         self.rkey_buffer_release.restype = None
         self.ep_rkey_unpack = lib.ucp_ep_rkey_unpack
         self.ep_rkey_unpack.argtypes = [_vp, ctypes.c_char_p, ctypes.POINTER(_vp)]
-        self.ep_rkey_unpack.restype = ctypes.c_int
+        self.ep_rkey_unpack.restype = _status
         self.rkey_destroy = lib.ucp_rkey_destroy
         self.rkey_destroy.argtypes = [_vp]
         self.rkey_destroy.restype = None
@@ -79,7 +81,7 @@ class _Ucp:
         self.ep_flush_nbx.restype = _vp
         self.request_check_status = lib.ucp_request_check_status
         self.request_check_status.argtypes = [_vp]
-        self.request_check_status.restype = ctypes.c_int
+        self.request_check_status.restype = _status
         self.request_free = lib.ucp_request_free
         self.request_free.argtypes = [_vp]
         self.request_free.restype = None
@@ -175,11 +177,20 @@ class Getter:
         self._param = ctypes.create_string_buffer(_PARAM_BYTES)
         self._param_at = ctypes.addressof(self._param)
 
-    def get_pieces(self, key: RemoteKey, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
-        """Get ``lengths[i]`` bytes at remote address ``remote[i]`` into local address ``local[i]``."""
+    def get_pieces(self, rkeys: np.ndarray, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> None:
+        """Get ``lengths[i]`` bytes at remote address ``remote[i]`` (of the region whose unpacked
+        key handle is ``rkeys[i]``) into local address ``local[i]``; pieces adjacent on both sides
+        under one key go as one get."""
+        if len(local) > 1:
+            joins = ((local[:-1] + lengths[:-1] == local[1:]) & (remote[:-1] + lengths[:-1] == remote[1:])
+                     & (rkeys[:-1] == rkeys[1:]))
+            if joins.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+                local, remote, rkeys = local[starts], remote[starts], rkeys[starts]
+                lengths = np.add.reduceat(lengths, starts)
         u = _lib()
-        get, free, ep, rk, param = u.get_nbx, u.request_free, self.ep, key.handle, self._param_at
-        for dst, src, n in zip(local.tolist(), remote.tolist(), lengths.tolist(), strict=True):
+        get, free, ep, param = u.get_nbx, u.request_free, self.ep, self._param_at
+        for dst, src, n, rk in zip(local.tolist(), remote.tolist(), lengths.tolist(), rkeys.tolist(), strict=True):
             req = get(ep, dst, n, src, rk, param)
             if req is not None:
                 if req >= _ERR_PTR_MIN:
@@ -209,4 +220,29 @@ class Getter:
         return True
 
 
-__all__ = ["Getter", "MemoryKey", "RemoteKey", "UcxRmaError", "map_region"]
+class RemoteRegions:
+    """A producer's mapped regions as seen by one consumer endpoint: where each lies and its key,
+    so that a read's pieces turn into remote addresses and key handles in one vectorised step."""
+
+    def __init__(self, ep_handle: int, regions: dict[int, tuple[int, int, bytes]]) -> None:
+        ids = sorted(regions)
+        self.keys = [RemoteKey(ep_handle, regions[i][2]) for i in ids]
+        self.known = np.array(ids, dtype=np.int64)
+        self.bases = np.array([regions[i][0] for i in ids], dtype=np.uint64)
+        self.sizes = np.array([regions[i][1] for i in ids], dtype=np.int64)
+        self.handles = np.array([k.handle for k in self.keys], dtype=np.uint64)
+
+    def at(self, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(remote addresses, key handles) of pieces; IndexError for a piece outside its region."""
+        pos = np.searchsorted(self.known, regions).clip(0, max(len(self.known) - 1, 0))
+        if not len(self.known) or (self.known[pos] != regions).any() or (offsets < 0).any() \
+                or (offsets + lengths > self.sizes[pos]).any():
+            raise IndexError("a piece is outside the producer's mapped regions")
+        return self.bases[pos] + offsets.astype(np.uint64), self.handles[pos]
+
+    def close(self) -> None:
+        for k in self.keys:
+            k.close()
+
+
+__all__ = ["Getter", "MemoryKey", "RemoteKey", "RemoteRegions", "UcxRmaError", "map_region"]

@@ -8,6 +8,7 @@ receive worker (see the package docstring for why kvxfer progresses them itself)
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -79,6 +80,7 @@ class UcxRuntime:
         self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
         self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
         self._retired: list[Any] = []  # receive workers no longer progressed, kept until their reads unwound
+        self._rma_worker: Any = None  # serves one-sided reads of this process's regions (rma_address)
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
@@ -138,6 +140,27 @@ class UcxRuntime:
         ctx.worker = libucxx.UCXWorker(main.context, enable_delayed_submission=False, enable_python_future=False)
         self.receive_workers.add(ctx.worker)
         return ctx
+
+    @property
+    def context_handle(self) -> int:
+        """The process's ``ucp_context_h`` (regions are mapped for one-sided reads on it)."""
+        return int(self.ucxx.core._get_ctx().context.handle)
+
+    def rma_address(self) -> bytes:
+        """The address of the worker that serves other processes' one-sided reads of this one's
+        memory, made on first use: a worker of its own with ucxx's native progress thread in
+        blocking mode, so a get that UCX emulates (no RDMA, no CMA) is answered without this
+        process's GIL. Idle, the thread sleeps in epoll (tests/test_ucx_rma.py measures it)."""
+        with self._lock:
+            if self._rma_worker is None:
+                from ucxx._lib import libucxx
+
+                worker = libucxx.UCXWorker(self.ucxx.core._get_ctx().context, enable_delayed_submission=False,
+                                           enable_python_future=False)
+                worker.start_progress_thread(polling_mode=False)
+                atexit.register(worker.stop_progress_thread)
+                self._rma_worker = worker
+            return bytes(self._rma_worker.address.tobytes())
 
     def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float) -> None:
         """Stop progressing a receive worker for good and close its endpoints (loop thread).

@@ -52,7 +52,10 @@ from kvxfer.integrations.vllm_pd import (
 )
 from kvxfer.progress import Progress
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-1s", "kvxfer-cma")
+DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+# kvxfer rows that are not just a plane: the ucx plane with one-sided reads (not yet its default)
+KVXFER_PLANES = {"kvxfer-ucx-1s": ("ucx", {"reads": "one-sided"})}
 # UCX_TLS of each NixlConnector variant
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
 SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
@@ -171,7 +174,8 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
     mport = free_port()
     env = {"UCX_TLS": NIXL_TLS[connector]} if kind == "nixl" else None
     if kind == "kvxfer":
-        extra = {"connector": {"name": connector.split("-", 1)[1]}, "metrics_port": mport}
+        name, plane = KVXFER_PLANES.get(connector, (connector.split("-", 1)[1], {}))
+        extra = {"connector": {"name": name, **({"data_plane": plane} if plane else {})}, "metrics_port": mport}
     busy_prompts = busy_prompts or []
     length = max(1024, max(len(q) for q in prompts + busy_prompts) + output + 1,
                  BUSY_PROMPT_TOKENS + busy_output + 1)
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None,
                     help="model folder (default: a random-weight Llama, 8 layers, 8 KV heads of 64, written here)")
-    ap.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS))
+    ap.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
+                    help="kvxfer-ucx-1s: the ucx plane with reads: one-sided (not in the default set)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=8, help="measured requests per connector")
     ap.add_argument("--warmup", type=int, default=2)

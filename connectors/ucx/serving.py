@@ -1,0 +1,185 @@
+"""The ucx plane's producer side: hellos and read requests on the control socket, replies over UCX.
+
+A mixin of :class:`kvxfer.connectors.ucx.UcxDataPlane` (its state is the plane's, declared below
+for the methods here). Threads: the control thread receives; everything else runs on the UCX
+runtime's loop thread (see runtime.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvxfer.dataplane import Descriptors, RegionTable, check_read_parts
+from kvxfer.handshake import serve_socket
+from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.supervise import describe, report
+
+from .rma import MemoryKey
+from .runtime import UcxRuntime, close_now
+from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, gather_pieces
+from .wire import GRANT_ONLY, HEADER_BYTES, KIND_DATA, KIND_HEADER, REPLY_LENGTH, Hello, message_tag
+
+logger = logging.getLogger(__name__)
+
+
+class Serving:
+    """The producer side of the ucx plane (mixed into it)."""
+
+    # the plane's, declared for the methods here
+    rt: UcxRuntime
+    ucxx: Any
+    plane_id: int
+    timeout_s: float
+    inflight: int
+    _ctrl: Any
+    _closed: bool
+    _token_checker: Any
+    _validator: Any
+    _table: RegionTable
+    _arrays: dict[int, np.ndarray]
+    _keys: dict[int, MemoryKey]
+    _clients: dict[tuple[bytes, int], Any]
+    _sessions: dict[bytes, tuple[bytes, int]]
+    _client_names: dict[tuple[bytes, int], str]
+    _refused: set[tuple[str, str]]
+    _send_staging: StagingPool
+
+    def _address_space(self) -> AddressSpace:
+        raise NotImplementedError  # the plane's
+
+    def _control_thread(self) -> None:
+        """Hellos and read requests arrive on a ZMQ socket, not a posted UCX receive: with a
+        receive always posted, ucxx's blocking progress never re-arms and spins a core."""
+        serve_socket("ucx control", self._ctrl, self._on_control, lambda: self._closed)
+        self._ctrl.close(linger=0)
+
+    def _on_control(self, parts: list[bytes]) -> None:
+        if len(parts) != 2 or not parts[1]:
+            return
+        kind, payload = parts[1][:1], parts[1][1:]
+        try:
+            if kind == b"H":
+                # done before the next message: a read must find the endpoint back in place
+                self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
+                    timeout=self.timeout_s)
+            elif kind == b"R":
+                msg = decode_data(payload)
+                if isinstance(msg, ReadRequest):
+                    self.rt.submit(self._serve(msg))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            self._refuse_once("?", ErrorCode.BAD_MESSAGE, f"control message refused: {e}")
+
+    def _refuse_once(self, peer: str, code: ErrorCode, why: str) -> None:
+        key = (peer, code.value)
+        if key not in self._refused:
+            self._refused.add(key)
+            logger.warning("ucx data plane refused peer %s: %s", peer, why)
+
+    async def _on_hello(self, hello: Hello) -> None:
+        if self._token_checker is not None and not self._token_checker(hello.token):
+            self._refuse_once(hello.engine_id, ErrorCode.AUTH, "connection without a valid handshake token: ignored")
+            return
+        key = (hello.worker, hello.plane)
+        old = self._clients.pop(key, None)
+        if old is not None:  # the consumer connected again: it dropped its end after a failure
+            close_now(old)
+        previous = self._sessions.get(hello.session) if hello.session else None
+        if previous is not None and previous != key:
+            # the consumer retired its receive worker: nothing sent there will be taken (sends
+            # under way to it end at their deadline, in _serve)
+            self._forget_client(previous)
+        ucxx = self.ucxx
+        self._clients[key] = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(hello.worker), endpoint_error_handling=False)
+        self._client_names[key] = hello.engine_id
+        if hello.session:
+            self._sessions[hello.session] = key
+
+    def _forget_client(self, key: tuple[bytes, int]) -> str:
+        ep = self._clients.pop(key, None)
+        if ep is not None:
+            close_now(ep)
+        for session in [s for s, k in self._sessions.items() if k == key]:
+            del self._sessions[session]
+        return self._client_names.pop(key, f"unknown worker ({len(key[0])}-byte address)")
+
+    async def _serve(self, req: ReadRequest) -> None:
+        """One read, within the plane's deadline: a consumer that stops taking its reply (stopped,
+        dead, or its receive worker retired) must not keep the sends, and the loop's continuous
+        progress, going for ever. It is forgotten; its next connect says hello again."""
+        try:
+            worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._refuse_once("?", ErrorCode.BAD_MESSAGE, "read request without a reply address")
+            return
+        async with self.rt.active():
+            try:
+                await asyncio.wait_for(self._serve_read(req, (worker, plane), chunk), self.timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10
+                name = self._forget_client((worker, plane))
+                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
+                               self.plane_id, req.request_id, name, self.timeout_s)
+            except Exception as e:  # supervised: this reply is given up; the next read is served
+                report("ucx serve", e, f"read for {req.request_id}")
+
+    async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
+        worker, plane = client
+        ep = self._clients.get(client)
+        peer = self._client_names.get(client, f"unknown worker ({len(worker)}-byte address)")
+        if ep is None:
+            self._refuse_once(peer, ErrorCode.AUTH, "read request from a consumer that never said hello (or was "
+                              "refused)")
+            return
+        tag = self.ucxx.types.Tag
+        try:
+            why, d = check_read_parts(self._table, self._validator, req.request_id, req.regions, req.offsets,
+                                      req.lengths, req.parts)
+        except Exception as e:  # refused as internal: the consumer hears at once, not at its deadline
+            report("ucx serve", e, f"read for {req.request_id} from {peer}")
+            why, d = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}"), Descriptors.from_rows([])
+        regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
+        if not why and chunk == GRANT_ONLY and any(int(r) not in self._keys for r in np.unique(regions).tolist()):
+            why = Refusal(ErrorCode.BAD_PARAMS, "a one-sided read of a region this producer did not map for them")
+        if why:
+            self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
+            reply = ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
+        else:
+            reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)
+        payload = encode(reply)
+        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        header[: 4 + len(payload)] = np.frombuffer(REPLY_LENGTH.pack(len(payload)) + payload, dtype=np.uint8)
+        # the header goes while the first chunk is gathered (it was awaited before the gather began)
+        header_sent = asyncio.ensure_future(ep.send(header, tag=tag(message_tag(plane, KIND_HEADER, req.batch_id)),
+                                                    force_tag=True))
+        try:
+            if why or chunk == GRANT_ONLY:  # refused, or granted: the consumer gets the bytes itself
+                await header_sent
+                return
+            data_tag = tag(message_tag(plane, KIND_DATA, req.batch_id))
+            if chunk:
+                chunks = chunk_ranges(lengths, chunk)
+                sizes = chunk_sizes(lengths, chunks)
+                buf = self._send_staging.take(max(sizes))
+                for (a, b), size in zip(chunks, sizes, strict=True):
+                    gather_pieces(self._arrays, regions[a:b], offsets[a:b], lengths[a:b], buf,
+                                  self._address_space())
+                    await header_sent
+                    await ep.send(buf[:size], tag=data_tag, force_tag=True)
+                self._send_staging.give(buf)  # not on a failure: a send may still read from it
+            else:
+                await header_sent
+                arrs = self._arrays
+                views = [arrs[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
+                                                                strict=True)]
+                for i in range(0, len(views), self.inflight):
+                    await asyncio.gather(*(ep.send(v, tag=data_tag, force_tag=True)
+                                           for v in views[i : i + self.inflight]))
+        except Exception as e:
+            if not header_sent.done():  # a gather failed first: the header's outcome is still collected
+                await asyncio.gather(header_sent, return_exceptions=True)
+            self._refuse_once(peer, ErrorCode.PEER_LOST, f"send for {req.request_id} failed: {e}")
