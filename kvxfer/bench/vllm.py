@@ -257,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         if c in missing:
             continue
         cpus = tuple(None if x == "none" else x for x in args.cpus)
-        rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work, cpus,  # type: ignore[arg-type]
-                             args.busy_decode, busy_prompts, args.busy_output))
+        try:
+            rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work,
+                                 cpus,  # type: ignore[arg-type]
+                                 args.busy_decode, busy_prompts, args.busy_output))
+        except (TimeoutError, OSError, RuntimeError) as e:  # one pair's failure (NIXL's engine died here once)
+            missing[c] = f"failed: {type(e).__name__}: {e} (its servers' logs: {work}/{c}-*.log)"
+            print(f"{c}: {missing[c]}", file=sys.stderr)
     by_name = {r["connector"]: r for r in rows}
     for r in rows:
         base_name = r["connector"] if r["connector"] in NIXL_TLS else baseline_of(r["connector"], set(by_name))
