@@ -312,6 +312,22 @@ def load_data_plane(name: str) -> type[DataPlane]:
     return cls
 
 
+def join_adjacent(dst: np.ndarray, src: np.ndarray, size: np.ndarray,
+                  same: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Pieces (``dst``, ``src``, ``size`` per piece, addresses) with each run of pieces adjacent on
+    both sides joined into one, so a copy or get per piece makes fewer calls. ``same`` (one value
+    per piece, e.g. a remote key): pieces join only where it is equal too; returned joined alike."""
+    if len(dst) < 2:
+        return dst, src, size, same
+    joins = (dst[:-1] + size[:-1] == dst[1:]) & (src[:-1] + size[:-1] == src[1:])
+    if same is not None:
+        joins &= same[:-1] == same[1:]
+    if not joins.any():
+        return dst, src, size, same
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return dst[starts], src[starts], np.add.reduceat(size, starts), None if same is None else same[starts]
+
+
 def region_array(r: MemoryRegion) -> np.ndarray:
     """A zero-copy uint8 numpy view of a registered host region."""
     import ctypes

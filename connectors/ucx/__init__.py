@@ -169,7 +169,6 @@ class _Peer:
     reading: int = 0  # reads in flight on this endpoint
 
 
-
 class UcxDataPlane(Serving, HostRegionPlane):
     """Reads over UCX tag messages; see the module docstring for the protocol."""
 
@@ -214,7 +213,6 @@ class UcxDataPlane(Serving, HostRegionPlane):
         self._client_names: dict[tuple[bytes, int], str] = {}  # the engine id each consumer said hello as
         self._send_staging, self._recv_staging = StagingPool(), StagingPool()  # (loop thread only)
         self._keys: dict[int, MemoryKey] = {}  # producer side: each region mapped for one-sided reads
-        self._unmapped: set[int] = set()  # regions UCX would not map (their reads are refused one-sided)
         self._space = AddressSpace({})
         self._space_of: object = None  # the region table _space was built from
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -243,15 +241,13 @@ class UcxDataPlane(Serving, HostRegionPlane):
         for r in regions:
             try:
                 self._keys[r.region_id] = map_region(self.rt.context_handle, r.address, r.length)
-            except (UcxRmaError, ValueError) as e:
-                self._unmapped.add(r.region_id)
+            except (UcxRmaError, ValueError) as e:  # not in _keys: its one-sided reads are refused (serving.py)
                 logger.warning("ucx plane %d: region %d not mapped for one-sided reads: %s", self.plane_id,
                                r.region_id, e)
 
     def unregister(self, region_ids: Sequence[int]) -> None:
         super().unregister(region_ids)
         for rid in region_ids:
-            self._unmapped.discard(rid)
             key = self._keys.pop(rid, None)
             if key is not None:
                 key.close()

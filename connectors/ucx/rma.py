@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.dataplane import join_adjacent
+
 logger = logging.getLogger(__name__)
 
 UCS_OK, UCS_INPROGRESS = 0, 1
@@ -85,9 +87,6 @@ class _Ucp:
         self.request_free = lib.ucp_request_free
         self.request_free.argtypes = [_vp]
         self.request_free.restype = None
-        self.request_cancel = lib.ucp_request_cancel
-        self.request_cancel.argtypes = [_vp, _vp]
-        self.request_cancel.restype = None
 
 
 _ucp: _Ucp | None = None
@@ -181,16 +180,11 @@ class Getter:
         """Get ``lengths[i]`` bytes at remote address ``remote[i]`` (of the region whose unpacked
         key handle is ``rkeys[i]``) into local address ``local[i]``; pieces adjacent on both sides
         under one key go as one get."""
-        if len(local) > 1:
-            joins = ((local[:-1] + lengths[:-1] == local[1:]) & (remote[:-1] + lengths[:-1] == remote[1:])
-                     & (rkeys[:-1] == rkeys[1:]))
-            if joins.any():
-                starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-                local, remote, rkeys = local[starts], remote[starts], rkeys[starts]
-                lengths = np.add.reduceat(lengths, starts)
+        local, remote, lengths, keys = join_adjacent(local, remote, lengths, rkeys)
+        assert keys is not None
         u = _lib()
         get, free, ep, param = u.get_nbx, u.request_free, self.ep, self._param_at
-        for dst, src, n, rk in zip(local.tolist(), remote.tolist(), lengths.tolist(), rkeys.tolist(), strict=True):
+        for dst, src, n, rk in zip(local.tolist(), remote.tolist(), lengths.tolist(), keys.tolist(), strict=True):
             req = get(ep, dst, n, src, rk, param)
             if req is not None:
                 if req >= _ERR_PTR_MIN:

@@ -141,10 +141,13 @@ class UcxRuntime:
         self.receive_workers.add(ctx.worker)
         return ctx
 
+    def _context(self) -> Any:
+        return self.ucxx.core._get_ctx().context  # the process's UCXContext, which ucxx made at init
+
     @property
     def context_handle(self) -> int:
         """The process's ``ucp_context_h`` (regions are mapped for one-sided reads on it)."""
-        return int(self.ucxx.core._get_ctx().context.handle)
+        return int(self._context().handle)
 
     def rma_address(self) -> bytes:
         """The address of the worker that serves other processes' one-sided reads of this one's
@@ -155,7 +158,7 @@ class UcxRuntime:
             if self._rma_worker is None:
                 from ucxx._lib import libucxx
 
-                worker = libucxx.UCXWorker(self.ucxx.core._get_ctx().context, enable_delayed_submission=False,
+                worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False,
                                            enable_python_future=False)
                 worker.start_progress_thread(polling_mode=False)
                 atexit.register(worker.stop_progress_thread)
