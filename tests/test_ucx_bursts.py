@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
 from kvxfer.connectors.ucx import UcxDataPlane
 from test_cma_bursts import read_many
 from test_hold_board import NB, STRIDE, region
@@ -27,7 +28,6 @@ from kvxfer.protocol import ErrorCode
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
 
-pytest.importorskip("ucxx")
 
 class Pair(CmaPair):
     """test_hold_board's pair with ucx planes: a producer and a consumer in this process, the
@@ -107,3 +107,18 @@ def test_reads_of_large_pieces_are_joined_only_one_sided(reads: str) -> None:
         assert p.served == ([2] if reads == "one-sided" else [1, 1])
     finally:
         p.close()
+
+
+def test_reads_option_refuses_a_bad_value_and_a_one_sided_consumer_refuses_a_two_sided_producer() -> None:
+    with pytest.raises(ValueError, match=r"data_plane\.reads: expected one-sided or two-sided, got 'sideways'"):
+        UcxDataPlane({"reads": "sideways"})
+    src = np.zeros(NB * STRIDE, dtype=np.uint8)
+    producer, consumer = UcxDataPlane({}), UcxDataPlane({"reads": "one-sided"})
+    try:
+        producer.register([region(0, src)])
+        with pytest.raises(ConnectionError, match=r"offers no one-sided ucx reads.*reads: two-sided"):
+            consumer.connect("p", producer.address())
+        assert consumer._peers == {}, "a refused connect leaves no peer behind"
+    finally:
+        consumer.close()
+        producer.close()
