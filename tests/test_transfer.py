@@ -51,7 +51,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
              host_staging: str = "auto", kv_fused: bool = False, fused_order: str = "", hold_wait_s: float = 1.0,
-             data_path: str = DATA_PATH) -> InstanceConfig:
+             data_path: str = DATA_PATH, data_plane: dict[str, Any] | None = None) -> InstanceConfig:
     heads = 1 if mla else 4
     return InstanceConfig(
         role=role, engine_id=engine,
@@ -64,7 +64,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
             timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
                                     abort_s=max(600.0, transfer_s), hold_wait_s=hold_wait_s),
             auth=AuthConfig(secret_env=secret_env) if secret_env else None,
-            host_staging=host_staging, data_path=data_path,
+            host_staging=host_staging, data_path=data_path, data_plane=data_plane or {},
         ),
     )
 
@@ -322,12 +322,16 @@ def with_children(pid: int) -> list[int]:
     return [*kids, pid]
 
 
-# the kill must land while bytes move: two-sided planes only (see the cma case above)
+# the kill must land while bytes move: two-sided reads only. cma's and ucx's one-sided reads move 512 MiB
+# before the kill lands (see the cma case above; tests/test_ucx_rma.py kills a producer with gets in flight).
 @pytest.mark.parametrize("conn,path", [("tcp", "engine"), ("ucx", "engine"), ("tcp", "agent"), ("ucx", "agent")])
 def test_producer_killed_mid_transfer_fails_the_request_within_the_timeout(conn: str, path: str) -> None:
     ntok = 64 * 1024  # 512 MiB of KV: the kill lands while bytes are moving
-    pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0, data_path=path)
-    dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0, data_path=path)
+    plane = {"reads": "two-sided"} if conn == "ucx" else None
+    pcfg = make_cfg("prefill", "P", connector=conn, head_size=64, num_blocks=4100, transfer_s=5.0, data_path=path,
+                    data_plane=plane)
+    dcfg = make_cfg("decode", "D", connector=conn, head_size=64, num_blocks=4200, transfer_s=5.0, data_path=path,
+                    data_plane=plane)
     pb = list(range(ntok // 16))
     with Producers(pcfg, [("req", pb, ntok)], fill_mode="ones") as prod:
         # the first block has arrived, the rest has not: the producer dies, its transfer agent with it (a

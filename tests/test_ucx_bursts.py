@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from test_hold_board import NB, STRIDE, region
 from test_hold_board import Pair as CmaPair
 
 from kvxfer.dataplane import BatchResult
+from kvxfer.handshake import HandshakeError
 from kvxfer.protocol import ErrorCode
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
@@ -113,12 +114,72 @@ def test_reads_option_refuses_a_bad_value_and_a_one_sided_consumer_refuses_a_two
     with pytest.raises(ValueError, match=r"data_plane\.reads: expected one-sided or two-sided, got 'sideways'"):
         UcxDataPlane({"reads": "sideways"})
     src = np.zeros(NB * STRIDE, dtype=np.uint8)
-    producer, consumer = UcxDataPlane({}), UcxDataPlane({"reads": "one-sided"})
+    producer, consumer = UcxDataPlane({"reads": "two-sided"}), UcxDataPlane({"reads": "one-sided"})
     try:
         producer.register([region(0, src)])
         with pytest.raises(ConnectionError, match=r"offers no one-sided ucx reads.*reads: two-sided"):
             consumer.connect("p", producer.address())
         assert consumer._peers == {}, "a refused connect leaves no peer behind"
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def test_each_one_sided_consumer_gets_an_rma_worker_of_its_own_and_dropping_the_producer_stops_it() -> None:
+    """A consumer killed while writing a get into an RMA worker's shared-memory FIFO wedges that
+    worker (tests/test_faults.py kills one): so each consumer plane gets a worker of its own, named
+    in the producer's answer to its hello, and the producer stops it when the consumer drops it."""
+    p = Pair({"reads": "one-sided"})
+    dst = np.zeros(NB * STRIDE, dtype=np.uint8)
+    other = UcxDataPlane({"reads": "one-sided"})
+    try:
+        other.register([region(0, dst)])
+        other.connect("p", p.producer.address())
+        workers = p.producer._rma_workers
+        assert len(workers) == 2 and len({bytes(w.address.tobytes()) for w in workers.values()}) == 2
+        p.holds.hold("a", [4, 6], 32)
+        out = read_many(p, [("a", [4, 6], [0, 1])]) + read_many(_as_pair(p, other), [("a", [4, 6], [2, 3])])
+        assert all(r.ok for r in out), out
+        assert p.arrived([4, 6], [0, 1])
+        assert np.array_equal(dst[2 * STRIDE : 4 * STRIDE].reshape(2, STRIDE), p.src.reshape(NB, STRIDE)[[4, 6]])
+        other.disconnect("p")
+        wait_for(lambda: len(workers) == 1, "the dropped consumer's RMA worker stopped")
+        p.holds.hold("b", [7], 16)
+        assert read_many(p, [("b", [7], [9])])[0].ok and p.arrived([7], [9]), "the other consumer reads on"
+    finally:
+        other.close()
+        p.close()
+
+
+def _as_pair(p: Pair, consumer: UcxDataPlane) -> Pair:
+    """``p`` seen through another consumer plane (read_many reads through ``.consumer``)."""
+    q = Pair.__new__(Pair)
+    q.consumer = consumer
+    return q
+
+
+def test_a_one_sided_hello_without_a_valid_token_is_refused_at_once_by_code() -> None:
+    """The producer answers a one-sided hello it refuses (the consumer waits for that answer): the
+    connect fails at once with the code, not at the plane's timeout."""
+    src = np.zeros(NB * STRIDE, dtype=np.uint8)
+    producer, consumer = UcxDataPlane({"reads": "one-sided"}), UcxDataPlane({"reads": "one-sided", "timeout_s": 20})
+    try:
+        producer.register([region(0, src)])
+        producer.set_token_checker(lambda token: token == b"good")
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match="refused one-sided reads: no valid handshake token") as e:
+            consumer.connect("p", producer.address(), b"bad")
+        assert e.value.code is ErrorCode.AUTH and time.monotonic() - t0 < 10
+        assert consumer._peers == {} and producer._rma_workers == {}, "nothing is left on either side"
+        consumer.connect("p", producer.address(), b"good")
+        assert len(producer._rma_workers) == 1
     finally:
         consumer.close()
         producer.close()

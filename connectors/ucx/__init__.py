@@ -1,4 +1,4 @@
-"""The ``ucx`` data plane: two-sided reads over UCX through the ``ucxx`` package.
+"""The ``ucx`` data plane: reads over UCX through the ``ucxx`` package, one-sided by default.
 
 UCX picks the transport (shared memory or CMA on one host, RDMA on InfiniBand/RoCE, TCP
 otherwise). What makes it fast on these machines, measured: endpoints created from the
@@ -9,12 +9,12 @@ and falls back to tcp). With error handling off UCX does not report a dead peer,
 every read, and every reply a producer sends, has its own deadline; endpoints are closed
 without waiting for the peer (close_now).
 
-A read is two-sided by default; with ``reads: one-sided`` on both sides (option ``reads``,
-not yet the default: see below) the consumer sends a read request to the
-producer's control socket (ZMQ; hellos travel there too), the producer checks it (registered
-regions, held blocks, token) and sends back a reply header alone over UCX; the consumer then
-gets the pieces itself (``ucp_get_nbx``, rma.py) from an endpoint to the producer's RMA worker,
-and one endpoint flush tells it they landed. UCX serves the gets by RDMA where the fabric has
+With ``reads: one-sided`` (the default) the consumer's hello to the producer's control socket
+(ZMQ) is answered with the address of an RMA worker the producer made for that consumer plane
+(serving.py); a read is a request to the control socket, which the producer checks (registered
+regions, held blocks, token) and answers with a reply header alone over UCX; the consumer then
+gets the pieces itself (``ucp_get_nbx``, rma.py) from an endpoint to that RMA worker, and one
+endpoint flush tells it they landed. UCX serves the gets by RDMA where the fabric has
 it, and otherwise (one host, CMA out) emulates them on the producer's RMA worker, which a native
 ucxx progress thread answers: no byte waits for the producer's Python (a busy prefill worker,
 vLLM's) nor for a bounded shared-memory FIFO that both processes must refill. Measured here
@@ -24,14 +24,14 @@ two-sided; 16 MiB 3.4-4.3 against 11-13 ms; with a Python thread spinning in the
 keeps every check on the producer; the producer maps each region (``ucp_mem_map``) at
 registration and publishes the packed keys in its address.
 
-Why one-sided is not the default yet: every consumer's gets go through the producer's one RMA
-worker, and with shared memory a consumer killed while writing a get request into that worker's
-FIFO leaves a slot claimed and never filled, so the producer's one-sided reads stall for every
-other consumer (seen in tests/test_faults.py's consumer-killed-mid-read case: the next consumer
-could not connect). The consumer's side has the cure already (each producer's gets on a worker of
-their own, retired after a failure); the producer needs an RMA worker per consumer.
+Why a worker per peer on both sides: a process killed while writing into a worker's
+shared-memory FIFO leaves a slot claimed and never filled, and every later message to that
+worker waits behind it. Each producer's gets run on a consumer worker of their own (_Rma,
+retired after a failed read), and each consumer's get requests go to a producer RMA worker of
+their own (tests/test_faults.py's consumer-killed-mid-read case: with one shared worker the
+next consumer could not connect).
 
-``reads: two-sided`` (the default) is the protocol every test covers: the consumer posts receives
+With ``reads: two-sided`` the consumer posts receives
 and the producer sends a reply header and the data over UCX. A producer set so maps nothing and
 hands out no keys, so every byte it serves is one it sent itself (docs/security.md); a one-sided
 consumer refuses to connect to it, by name.
@@ -92,6 +92,7 @@ from kvxfer.dataplane import (
     ReadRefused,
     check_bounds,
 )
+from kvxfer.handshake import HandshakeError
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 
@@ -107,6 +108,7 @@ from .wire import (
     MAX_CONTROL_BYTES,
     REPLY_LENGTH,
     Hello,
+    HelloAck,
     UcxAddress,
     message_tag,
 )
@@ -186,7 +188,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
         self.chunk_bytes = int(o.get("chunk_bytes", 1 << 20))
         self.inflight = int(o.get("inflight", 16))
         self.timeout_s = float(o.get("timeout_s", 30.0))
-        reads = str(o.get("reads", "two-sided"))
+        reads = str(o.get("reads", "one-sided"))
         if reads not in ("one-sided", "two-sided"):
             raise ValueError(f"connector.data_plane.reads: expected one-sided or two-sided, got {reads!r}")
         self.one_sided = reads == "one-sided"
@@ -213,6 +215,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
         self._client_names: dict[tuple[bytes, int], str] = {}  # the engine id each consumer said hello as
         self._send_staging, self._recv_staging = StagingPool(), StagingPool()  # (loop thread only)
         self._keys: dict[int, MemoryKey] = {}  # producer side: each region mapped for one-sided reads
+        self._rma_workers: dict[bytes, Any] = {}  # producer side: consumer session -> its RMA worker (loop thread)
         self._space = AddressSpace({})
         self._space_of: object = None  # the region table _space was built from
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -255,7 +258,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
     def address(self) -> bytes:
         keys = {rid: (k.address, k.length, k.rkey) for rid, k in self._keys.items()}
         return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr,
-                                                 rma=self.rt.rma_address() if keys else b"", regions=keys))
+                                                 one_sided=bool(keys), regions=keys))
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
@@ -265,7 +268,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
             raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
         if peer_id in self._peers:
             return
-        if self.one_sided and not (addr.rma and addr.regions):
+        if self.one_sided and not (addr.one_sided and addr.regions):
             raise ConnectionError(f"peer {peer_id} offers no one-sided ucx reads (an older kvxfer, or UCX would not "
                                   f"map its memory): set connector.data_plane.reads: two-sided")
         self.rt.submit(self._connect(peer_id, addr, token)).result(timeout=self.timeout_s)
@@ -292,25 +295,49 @@ class UcxDataPlane(Serving, HostRegionPlane):
         ucxx = self.ucxx
         ep = await receiver.ctx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
                                                                     endpoint_error_handling=False)
+        hello_id = next(self._ids)
+        dealer.send(b"H" + msgspec.msgpack.encode(Hello(worker=receiver.address, plane=self.plane_id,
+                                                         engine_id=self.engine_id, token=token,
+                                                         session=self._session, rma=self.one_sided,
+                                                         hello_id=hello_id)))
         rma: _Rma | None = None
         if self.one_sided:
             try:
-                rma = await self._rma_to(addr)
+                rma = await self._rma_to(addr, await self._ack(dealer, hello_id))
             except BaseException:
                 close_now(ep)
                 raise
-        dealer.send(b"H" + msgspec.msgpack.encode(Hello(worker=receiver.address, plane=self.plane_id,
-                                                         engine_id=self.engine_id, token=token,
-                                                         session=self._session)))
         return _Peer(addr, token, dealer, ep, receiver, rma)
 
-    async def _rma_to(self, addr: UcxAddress) -> _Rma:
-        """A worker and endpoint for one-sided reads from one producer, wired up now (a flush:
-        the first load does not pay for it) within the plane's timeout."""
+    async def _ack(self, dealer: Any, hello_id: int) -> bytes:
+        """The producer's answer to hello ``hello_id``: the address of the RMA worker it made for
+        this plane. Raises HandshakeError with the producer's code if it refused, TimeoutError
+        if it did not answer within the plane's timeout."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        while True:
+            while dealer.poll(0):
+                try:
+                    ack = msgspec.msgpack.decode(dealer.recv(zmq.NOBLOCK)[1:], type=HelloAck)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    raise ConnectionError(f"bad answer to a ucx hello: {e}") from None
+                if ack.hello_id != hello_id:  # to an earlier hello that timed out here
+                    continue
+                if ack.code is not None or not ack.rma:
+                    raise HandshakeError(f"the producer refused one-sided reads: {ack.error or 'no RMA worker'}",
+                                         ack.code or ErrorCode.INTERNAL)
+                return ack.rma
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"no answer to a ucx hello within {self.timeout_s:g}s")
+            await asyncio.sleep(0.001)
+
+    async def _rma_to(self, addr: UcxAddress, worker: bytes) -> _Rma:
+        """A worker and endpoint for one-sided reads from one producer (``worker`` is the RMA
+        worker it made for this plane), wired up now (a flush: the first load does not pay for
+        it) within the plane's timeout."""
         ctx = self.rt.new_receive_worker()
         ep = None
         try:
-            ep = await ctx.create_endpoint_from_worker_address(self.ucxx.get_ucx_address_from_buffer(addr.rma),
+            ep = await ctx.create_endpoint_from_worker_address(self.ucxx.get_ucx_address_from_buffer(worker),
                                                                endpoint_error_handling=False)
             handle = ep._ep.handle
             rma = _Rma(ctx, ep, RemoteRegions(handle, dict(addr.regions)), Getter(handle))
@@ -351,7 +378,9 @@ class UcxDataPlane(Serving, HostRegionPlane):
         peer = self._peers.pop(peer_id, None)
         if peer is None:
             return
-        peer.dealer.close(linger=0)
+        if self.one_sided:  # the producer stops the RMA worker it made for this plane (linger: the bye goes out)
+            peer.dealer.send(b"B" + self._session, zmq.NOBLOCK)
+        peer.dealer.close(linger=500 if self.one_sided else 0)
         if peer.reading and peer.receiver is self._receiver:
             await self._renew_receiver(peer, f"peer {peer_id} dropped with {peer.reading} read(s) in flight")
         else:
@@ -546,6 +575,8 @@ class UcxDataPlane(Serving, HostRegionPlane):
                 await self._drop(peer_id)
             for key in list(self._clients):
                 self._forget_client(key)
+            for session in list(self._rma_workers):
+                await self._stop_rma(session)
             if self._receiver is not None:
                 self.rt.retire_receive_worker(self._receiver.ctx, [], keep_s=1.0)
                 self._receiver = None

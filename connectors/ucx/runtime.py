@@ -80,7 +80,8 @@ class UcxRuntime:
         self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
         self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
         self._retired: list[Any] = []  # receive workers no longer progressed, kept until their reads unwound
-        self._rma_worker: Any = None  # serves one-sided reads of this process's regions (rma_address)
+        self._rma_workers: set[Any] = set()  # serving other processes' one-sided reads (new_rma_worker; _lock)
+        atexit.register(self._stop_rma_workers)
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
         self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
@@ -149,21 +150,42 @@ class UcxRuntime:
         """The process's ``ucp_context_h`` (regions are mapped for one-sided reads on it)."""
         return int(self._context().handle)
 
-    def rma_address(self) -> bytes:
-        """The address of the worker that serves other processes' one-sided reads of this one's
-        memory, made on first use: a worker of its own with ucxx's native progress thread in
-        blocking mode, so a get that UCX emulates (no RDMA, no CMA) is answered without this
-        process's GIL. Idle, the thread sleeps in epoll (tests/test_ucx_rma.py measures it)."""
-        with self._lock:
-            if self._rma_worker is None:
-                from ucxx._lib import libucxx
+    def new_rma_worker(self) -> Any:
+        """A worker that serves one consumer's one-sided reads of this process's memory: its own,
+        with ucxx's native progress thread in blocking mode, so a get that UCX emulates (no RDMA,
+        no CMA) is answered without this process's GIL. Idle, the thread sleeps in epoll
+        (tests/test_ucx_rma.py measures it). One per consumer, because a consumer killed while
+        writing a get into a worker's shared-memory FIFO leaves a slot claimed and never filled,
+        and every later get to that worker waits behind it (tests/test_faults.py's kill case)."""
+        from ucxx._lib import libucxx
 
-                worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False,
-                                           enable_python_future=False)
-                worker.start_progress_thread(polling_mode=False)
-                atexit.register(worker.stop_progress_thread)
-                self._rma_worker = worker
-            return bytes(self._rma_worker.address.tobytes())
+        worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False, enable_python_future=False)
+        worker.start_progress_thread(polling_mode=False)
+        with self._lock:
+            self._rma_workers.add(worker)
+        return worker
+
+    def stop_rma_worker(self, worker: Any) -> None:
+        """Stop serving gets on ``worker`` (its consumer is gone or has a new one); UCX frees it
+        once the last reference goes. A get its consumer sends later is never answered: that
+        consumer's flush fails at its deadline, and it says hello again."""
+        with self._lock:
+            if worker not in self._rma_workers:
+                return
+            self._rma_workers.discard(worker)
+        try:
+            worker.stop_progress_thread()
+        except Exception as e:
+            logger.debug("ucx: stopping an RMA worker: %s", e)
+
+    def _stop_rma_workers(self) -> None:  # at exit: no native thread may outlive the interpreter's UCX
+        with self._lock:
+            workers, self._rma_workers = list(self._rma_workers), set()
+        for worker in workers:
+            try:
+                worker.stop_progress_thread()
+            except Exception as e:
+                logger.debug("ucx: stopping an RMA worker at exit: %s", e)
 
     def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float) -> None:
         """Stop progressing a receive worker for good and close its endpoints (loop thread).

@@ -22,9 +22,13 @@ from kvxfer.supervise import describe, report
 from .rma import MemoryKey
 from .runtime import UcxRuntime, close_now
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, gather_pieces
-from .wire import GRANT_ONLY, HEADER_BYTES, KIND_DATA, KIND_HEADER, REPLY_LENGTH, Hello, message_tag
+from .wire import GRANT_ONLY, HEADER_BYTES, KIND_DATA, KIND_HEADER, REPLY_LENGTH, Hello, HelloAck, message_tag
 
 logger = logging.getLogger(__name__)
+
+# RMA workers per producer plane, one per consumer plane reading one-sided; each is a native
+# thread, asleep in epoll while idle
+MAX_RMA_WORKERS = 64
 
 
 class Serving:
@@ -48,6 +52,7 @@ class Serving:
     _client_names: dict[tuple[bytes, int], str]
     _refused: set[tuple[str, str]]
     _send_staging: StagingPool
+    _rma_workers: dict[bytes, Any]  # consumer session -> the RMA worker serving its gets, oldest first (loop thread)
 
     def _address_space(self) -> AddressSpace:
         raise NotImplementedError  # the plane's
@@ -65,8 +70,12 @@ class Serving:
         try:
             if kind == b"H":
                 # done before the next message: a read must find the endpoint back in place
-                self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
+                ack = self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
                     timeout=self.timeout_s)
+                if ack is not None:
+                    self._ctrl.send_multipart([parts[0], b"A" + msgspec.msgpack.encode(ack)])
+            elif kind == b"B":  # a consumer dropped this producer: the RMA worker made for it goes
+                self.rt.submit(self._stop_rma(payload))
             elif kind == b"R":
                 msg = decode_data(payload)
                 if isinstance(msg, ReadRequest):
@@ -80,10 +89,16 @@ class Serving:
             self._refused.add(key)
             logger.warning("ucx data plane refused peer %s: %s", peer, why)
 
-    async def _on_hello(self, hello: Hello) -> None:
+    async def _on_hello(self, hello: Hello) -> HelloAck | None:
+        """Where to reply to this consumer from now on; for a one-sided consumer, the answer names
+        the RMA worker made for it (the one it had before, if any, stops)."""
         if self._token_checker is not None and not self._token_checker(hello.token):
             self._refuse_once(hello.engine_id, ErrorCode.AUTH, "connection without a valid handshake token: ignored")
-            return
+            return HelloAck(hello.hello_id, code=ErrorCode.AUTH, error="no valid handshake token") if hello.rma \
+                else None
+        if hello.rma and not (self._keys and hello.session):
+            why = "this producer serves no one-sided reads" if not self._keys else "a hello without a session"
+            return HelloAck(hello.hello_id, code=ErrorCode.BAD_PARAMS, error=why)
         key = (hello.worker, hello.plane)
         old = self._clients.pop(key, None)
         if old is not None:  # the consumer connected again: it dropped its end after a failure
@@ -99,6 +114,22 @@ class Serving:
         self._client_names[key] = hello.engine_id
         if hello.session:
             self._sessions[hello.session] = key
+        if not hello.rma:
+            return None
+        await self._stop_rma(hello.session)  # the consumer retired its end of it
+        while len(self._rma_workers) >= MAX_RMA_WORKERS:  # the oldest consumer's next read fails; it says hello again
+            oldest = next(iter(self._rma_workers))
+            logger.warning("ucx plane %d: %d consumers read one-sided; the oldest one's RMA worker is stopped",
+                           self.plane_id, len(self._rma_workers))
+            await self._stop_rma(oldest)
+        worker = self.rt.new_rma_worker()
+        self._rma_workers[hello.session] = worker
+        return HelloAck(hello.hello_id, rma=bytes(worker.address.tobytes()))
+
+    async def _stop_rma(self, session: bytes) -> None:
+        worker = self._rma_workers.pop(session, None)
+        if worker is not None:
+            self.rt.stop_rma_worker(worker)
 
     def _forget_client(self, key: tuple[bytes, int]) -> str:
         ep = self._clients.pop(key, None)

@@ -7,6 +7,8 @@ import struct
 
 import msgspec
 
+from kvxfer.protocol import ErrorCode
+
 MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 MiB
 HEADER_BYTES = 4096  # a reply's first message: REPLY_LENGTH, the encoded ReadReply, zero padding
 KIND_HEADER, KIND_DATA = 2, 3
@@ -26,7 +28,7 @@ class UcxAddress(msgspec.Struct, frozen=True):
     worker: bytes
     plane: int
     control: str  # the producer's ZMQ endpoint for hellos and read requests
-    rma: bytes = b""  # the worker that serves one-sided reads (empty: the producer offers none)
+    one_sided: bool = False  # whether it serves one-sided reads (an RMA worker per consumer, named in HelloAck)
     regions: dict[int, tuple[int, int, bytes]] = {}  # region id -> (address, length, packed remote key)
 
 
@@ -38,3 +40,15 @@ class Hello(msgspec.Struct, frozen=True):
     engine_id: str
     token: bytes
     session: bytes = b""  # random per consumer plane: a hello from a new receive worker replaces the old
+    rma: bool = False  # asks for an RMA worker of its own (one-sided reads); answered by a HelloAck
+    hello_id: int = 0  # echoed in the HelloAck, so an answer to an earlier hello is never taken for this one
+
+
+class HelloAck(msgspec.Struct, frozen=True):
+    """The producer's answer to a hello that asks for one-sided reads (ZMQ, on the control socket):
+    the address of the RMA worker it made for that consumer, or why it refused."""
+
+    hello_id: int
+    rma: bytes = b""
+    code: ErrorCode | None = None
+    error: str = ""

@@ -52,10 +52,10 @@ from kvxfer.integrations.vllm_pd import (
 )
 from kvxfer.progress import Progress
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-1s", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
-# kvxfer rows that are not just a plane: the ucx plane with one-sided reads (not yet its default)
-KVXFER_PLANES = {"kvxfer-ucx-1s": ("ucx", {"reads": "one-sided"})}
+# kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
+KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"})}
 # UCX_TLS of each NixlConnector variant
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
 SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="model folder (default: a random-weight Llama, 8 layers, 8 KV heads of 64, written here)")
     ap.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
-                    help="kvxfer-ucx-1s: the ucx plane with reads: one-sided (not in the default set)")
+                    help="kvxfer-ucx-2s: the ucx plane with reads: two-sided (not in the default set)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=8, help="measured requests per connector")
     ap.add_argument("--warmup", type=int, default=2)
