@@ -45,13 +45,13 @@ class Pair(CmaPair):
                                   region_layers={0: (0, 1)})
         self.producer.set_read_validator(self.holds.validate)
         self.served: list[int] = []
-        serve = self.producer._serve_read
+        check = self.producer._check_read
 
-        async def counted(req, client, chunk):
+        def counted(req, client):  # every read request served, one-sided (granted) or two-sided
             self.served.append(len(req.parts) or 1)
-            await serve(req, client, chunk)
+            return check(req, client)
 
-        self.producer._serve_read = counted
+        self.producer._check_read = counted
         self.consumer.connect("p", self.producer.address())
 
     def burst(self, reads: list[tuple[str, list[int], list[int]]]) -> dict[str, BatchResult]:

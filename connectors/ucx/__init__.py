@@ -11,8 +11,9 @@ without waiting for the peer (close_now).
 
 With ``reads: one-sided`` (the default) the consumer's hello to the producer's control socket
 (ZMQ) is answered with the address of an RMA worker the producer made for that consumer plane
-(serving.py); a read is a request to the control socket, which the producer checks (registered
-regions, held blocks, token) and answers with a reply header alone over UCX; the consumer then
+(serving.py); a read is a request to the control socket, which the producer's control thread
+checks (registered regions, held blocks, token) and answers there (a grant: no hop to its UCX
+loop, no UCX message from its Python; the consumer's loop drains the grants); the consumer then
 gets the pieces itself (``ucp_get_nbx``, rma.py) from an endpoint to that RMA worker, and one
 endpoint flush tells it they landed. UCX serves the gets by RDMA where the fabric has
 it, and otherwise (one host, CMA out) emulates them on the producer's RMA worker, which a native
@@ -169,6 +170,7 @@ class _Peer:
     receiver: _Receiver
     rma: _Rma | None = None  # set when this plane reads one-sided
     reading: int = 0  # reads in flight on this endpoint
+    grants: dict[int, asyncio.Future[ReadReply]] = field(default_factory=dict)  # one-sided reads' batch -> grant
 
 
 class UcxDataPlane(Serving, HostRegionPlane):
@@ -316,8 +318,11 @@ class UcxDataPlane(Serving, HostRegionPlane):
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
             while dealer.poll(0):
+                msg = dealer.recv(zmq.NOBLOCK)
+                if msg[:1] != b"A":  # a grant to a read given up
+                    continue
                 try:
-                    ack = msgspec.msgpack.decode(dealer.recv(zmq.NOBLOCK)[1:], type=HelloAck)
+                    ack = msgspec.msgpack.decode(msg[1:], type=HelloAck)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     raise ConnectionError(f"bad answer to a ucx hello: {e}") from None
                 if ack.hello_id != hello_id:  # to an earlier hello that timed out here
@@ -481,9 +486,13 @@ class UcxDataPlane(Serving, HostRegionPlane):
         peer.reading += 1
         each_alone = False
         try:
-            header = np.empty(HEADER_BYTES, dtype=np.uint8)
-            hdr = asyncio.ensure_future(ep.recv(header, tag=tag(message_tag(self.plane_id, KIND_HEADER,
-                                                                            first.batch_id)), force_tag=True))
+            header: np.ndarray | None = None
+            if self.one_sided:  # the grant comes back on the control socket (_drain)
+                hdr = peer.grants[first.batch_id] = asyncio.get_running_loop().create_future()
+            else:
+                header = np.empty(HEADER_BYTES, dtype=np.uint8)
+                hdr = asyncio.ensure_future(ep.recv(header, tag=tag(message_tag(self.plane_id, KIND_HEADER,
+                                                                                first.batch_id)), force_tag=True))
             data_tag = tag(message_tag(self.plane_id, KIND_DATA, first.batch_id))
             req = ReadRequest(request_id=first.request_id, batch_id=first.batch_id, regions=d.remote_region.tobytes(),
                               offsets=d.remote_offset.tobytes(), lengths=d.length.tobytes(),
@@ -491,7 +500,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
                               parts=[(p.request_id, len(p.d)) for p in parts] if len(parts) > 1 else [])
             peer.dealer.send(b"R" + encode(req))
             async with self.rt.active():
-                await asyncio.wait_for(self._receive(ep, hdr, header, data_tag, d, staged, peer.rma), self.timeout_s)
+                await asyncio.wait_for(self._receive(peer, hdr, header, data_tag, d, staged), self.timeout_s)
             for p in parts:
                 self._finish(BatchResult(p.batch_id, peer_id, p.request_id, p.d.nbytes, None))
         except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10, one from 3.11
@@ -518,20 +527,31 @@ class UcxDataPlane(Serving, HostRegionPlane):
         finally:
             receiver.reads.discard(task)
             peer.reading -= 1
+            peer.grants.pop(first.batch_id, None)
         if each_alone:
             await asyncio.gather(*(self._read(peer_id, [p]) for p in parts))
 
-    async def _receive(self, ep: Any, hdr: Any, header: np.ndarray, data_tag: Any, d: Descriptors,
-                       staged: bool, rma: _Rma | None) -> None:
-        await hdr
-        (n,) = REPLY_LENGTH.unpack(header[:4].tobytes())
-        reply = decode_data(header[4 : 4 + n].tobytes())
+    async def _receive(self, peer: _Peer, hdr: Any, header: np.ndarray | None, data_tag: Any, d: Descriptors,
+                       staged: bool) -> None:
+        ep = peer.endpoint
+        if header is None:  # one-sided: the grant, then the gets
+            while not hdr.done():
+                self._drain(peer)
+                if not hdr.done():
+                    await asyncio.sleep(0)
+            reply = hdr.result()
+        else:
+            await hdr
+            (n,) = REPLY_LENGTH.unpack(header[:4].tobytes())
+            reply = decode_data(header[4 : 4 + n].tobytes())
         if not isinstance(reply, ReadReply):
             raise ConnectionError(f"unexpected reply {type(reply).__name__}")
         if reply.error:
             raise ReadRefused(reply.code or ErrorCode.INTERNAL, reply.error)
-        if rma is not None:
-            await self._get(rma, d)
+        if header is None:
+            if peer.rma is None:  # retired meanwhile: never read two-sided instead
+                raise ConnectionError("its one-sided reads were stopped")
+            await self._get(peer.rma, d)
         elif staged:
             chunks = chunk_ranges(d.length, self.chunk_bytes)
             sizes = chunk_sizes(d.length, chunks)
@@ -547,6 +567,27 @@ class UcxDataPlane(Serving, HostRegionPlane):
                                                               d.length.tolist(), strict=True)]
             for i in range(0, len(views), self.inflight):
                 await asyncio.gather(*(ep.recv(v, tag=data_tag, force_tag=True) for v in views[i : i + self.inflight]))
+
+    @staticmethod
+    def _drain(peer: _Peer) -> None:
+        """Hand each grant that came back on the peer's control socket to the read waiting for
+        it (loop thread; every one-sided read waiting on this peer drains for all)."""
+        if peer.dealer.closed:
+            raise ConnectionError("its control socket was closed (the peer was dropped)")
+        while True:
+            try:
+                msg = peer.dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] != b"G":  # an answer to a hello given up
+                continue
+            try:
+                reply = decode_data(msg[1:])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ConnectionError(f"bad grant: {e}") from None
+            fut = peer.grants.pop(reply.batch_id, None) if isinstance(reply, ReadReply) else None
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
 
     async def _get(self, rma: _Rma, d: Descriptors) -> None:
         """The granted pieces, got one-sided into this side's regions; returns once they landed

@@ -1,8 +1,8 @@
 """The ucx plane's producer side: hellos and read requests on the control socket, replies over UCX.
 
 A mixin of :class:`kvxfer.connectors.ucx.UcxDataPlane` (its state is the plane's, declared below
-for the methods here). Threads: the control thread receives; everything else runs on the UCX
-runtime's loop thread (see runtime.py).
+for the methods here). Threads: the control thread receives, and grants one-sided reads itself;
+everything else (hellos, two-sided replies) runs on the UCX runtime's loop thread (see runtime.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Serving:
             elif kind == b"R":
                 msg = decode_data(payload)
                 if isinstance(msg, ReadRequest):
-                    self.rt.submit(self._serve(msg))
+                    self._on_read(parts[0], msg)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self._refuse_once("?", ErrorCode.BAD_MESSAGE, f"control message refused: {e}")
 
@@ -139,45 +139,69 @@ class Serving:
             del self._sessions[session]
         return self._client_names.pop(key, f"unknown worker ({len(key[0])}-byte address)")
 
-    async def _serve(self, req: ReadRequest) -> None:
-        """One read, within the plane's deadline: a consumer that stops taking its reply (stopped,
-        dead, or its receive worker retired) must not keep the sends, and the loop's continuous
-        progress, going for ever. It is forgotten; its next connect says hello again."""
+    def _on_read(self, identity: bytes, req: ReadRequest) -> None:
+        """A one-sided read is granted (or refused) here, on the control thread, straight back on
+        the control socket: no hop to the loop thread, no UCX message from this process's Python.
+        A two-sided one is served on the loop thread (_serve)."""
         try:
             worker, plane, chunk = msgspec.msgpack.decode(req.token, type=tuple[bytes, int, int])
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._refuse_once("?", ErrorCode.BAD_MESSAGE, "read request without a reply address")
             return
-        async with self.rt.active():
-            try:
-                await asyncio.wait_for(self._serve_read(req, (worker, plane), chunk), self.timeout_s)
-            except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10
-                name = self._forget_client((worker, plane))
-                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
-                               self.plane_id, req.request_id, name, self.timeout_s)
-            except Exception as e:  # supervised: this reply is given up; the next read is served
-                report("ucx serve", e, f"read for {req.request_id}")
-
-    async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
-        worker, plane = client
-        ep = self._clients.get(client)
-        peer = self._client_names.get(client, f"unknown worker ({len(worker)}-byte address)")
-        if ep is None:
-            self._refuse_once(peer, ErrorCode.AUTH, "read request from a consumer that never said hello (or was "
-                              "refused)")
+        if chunk != GRANT_ONLY:
+            self.rt.submit(self._serve(req, (worker, plane), chunk))
             return
-        tag = self.ucxx.types.Tag
+        why, d = self._check_read(req, (worker, plane))
+        if not why and any(int(r) not in self._keys for r in np.unique(d.remote_region).tolist()):
+            why = Refusal(ErrorCode.BAD_PARAMS, "a one-sided read of a region this producer did not map for them")
+        if why:
+            reply = ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
+        else:
+            reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)
+        self._ctrl.send_multipart([identity, b"G" + encode(reply)])
+
+    def _check_read(self, req: ReadRequest, client: tuple[bytes, int]) -> tuple[Refusal | None, Descriptors]:
+        """Whether ``client`` may read what ``req`` asks (said hello, regions, holds, token), and
+        its pieces (control thread for one-sided reads, loop thread for two-sided)."""
+        peer = self._client_names.get(client, f"unknown worker ({len(client[0])}-byte address)")
+        if self._clients.get(client) is None:
+            never = Refusal(ErrorCode.AUTH, "read request from a consumer that never said hello (or was refused)")
+            self._refuse_once(peer, never.code, never.message)
+            return never, Descriptors.from_rows([])
         try:
             why, d = check_read_parts(self._table, self._validator, req.request_id, req.regions, req.offsets,
                                       req.lengths, req.parts)
         except Exception as e:  # refused as internal: the consumer hears at once, not at its deadline
             report("ucx serve", e, f"read for {req.request_id} from {peer}")
             why, d = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}"), Descriptors.from_rows([])
-        regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
-        if not why and chunk == GRANT_ONLY and any(int(r) not in self._keys for r in np.unique(regions).tolist()):
-            why = Refusal(ErrorCode.BAD_PARAMS, "a one-sided read of a region this producer did not map for them")
         if why:
             self._refuse_once(peer, why.code, f"read for {req.request_id}: {why.message}")
+        return why, d
+
+    async def _serve(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
+        """One two-sided read, within the plane's deadline: a consumer that stops taking its reply
+        (stopped, dead, or its receive worker retired) must not keep the sends, and the loop's
+        continuous progress, going for ever. It is forgotten; its next connect says hello again."""
+        async with self.rt.active():
+            try:
+                await asyncio.wait_for(self._serve_read(req, client, chunk), self.timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10
+                name = self._forget_client(client)
+                logger.warning("ucx plane %d: reply for %s not taken by %s within %gs; its endpoint is closed",
+                               self.plane_id, req.request_id, name, self.timeout_s)
+            except Exception as e:  # supervised: this reply is given up; the next read is served
+                report("ucx serve", e, f"read for {req.request_id}")
+
+    async def _serve_read(self, req: ReadRequest, client: tuple[bytes, int], chunk: int) -> None:
+        ep = self._clients.get(client)
+        why, d = self._check_read(req, client)
+        if ep is None:  # refused by _check_read; there is no endpoint to say so on
+            return
+        plane = client[1]
+        peer = self._client_names.get(client, "?")
+        tag = self.ucxx.types.Tag
+        regions, offsets, lengths = d.remote_region, d.remote_offset, d.length
+        if why:
             reply = ReadReply(batch_id=req.batch_id, nbytes=0, error=why.message, code=why.code)
         else:
             reply = ReadReply(batch_id=req.batch_id, nbytes=d.nbytes)
@@ -188,7 +212,7 @@ class Serving:
         header_sent = asyncio.ensure_future(ep.send(header, tag=tag(message_tag(plane, KIND_HEADER, req.batch_id)),
                                                     force_tag=True))
         try:
-            if why or chunk == GRANT_ONLY:  # refused, or granted: the consumer gets the bytes itself
+            if why:
                 await header_sent
                 return
             data_tag = tag(message_tag(plane, KIND_DATA, req.batch_id))

@@ -13,7 +13,7 @@ MAX_CONTROL_BYTES = 32 << 20  # a read request of MAX_READ_PIECES pieces is 24 M
 HEADER_BYTES = 4096  # a reply's first message: REPLY_LENGTH, the encoded ReadReply, zero padding
 KIND_HEADER, KIND_DATA = 2, 3
 REPLY_LENGTH = struct.Struct("<I")  # the header's first 4 bytes: the encoded ReadReply's length
-GRANT_ONLY = -1  # a read request's chunk size that asks for the header alone: the consumer gets the bytes itself
+GRANT_ONLY = -1  # a read request's chunk size that asks for a grant on the control socket: the consumer gets the bytes
 
 
 def message_tag(plane: int, kind: int, seq: int) -> int:
