@@ -585,7 +585,9 @@ class UcxDataPlane(Serving, HostRegionPlane):
                 reply = decode_data(msg[1:])
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise ConnectionError(f"bad grant: {e}") from None
-            fut = peer.grants.pop(reply.batch_id, None) if isinstance(reply, ReadReply) else None
+            if not isinstance(reply, ReadReply):
+                raise ConnectionError(f"unexpected grant {type(reply).__name__}")
+            fut = peer.grants.pop(reply.batch_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 

@@ -79,6 +79,7 @@ from kvxfer.bench.transfer_cases import (
     clear,
     make_cfg,
     piece_views,
+    plane_of,
     producer,
     region_views,
     stage_breakdown,
@@ -103,7 +104,7 @@ def _unusable(name: str, data_path: str | None) -> str | None:
     try:
         Connector.from_config(make_cfg("decode", name, 1, data_path)).close()
     except Exception as e:
-        hint = " (pip install 'kvxfer[ucx]')" if name == "ucx" else ""
+        hint = " (pip install 'kvxfer[ucx]')" if plane_of(name) == "ucx" else ""
         return f"cannot start: {type(e).__name__}: {e}{hint}"
     return None
 
@@ -123,9 +124,9 @@ class Bench:
         self.skipped: dict[str, str] = {}
         self.names = []
         for name in args.connectors or sorted(installed):
-            if name not in installed:
+            if plane_of(name) not in installed:
                 self.skipped[name] = f"not installed (installed: {', '.join(sorted(installed))})"
-            elif not load_data_plane(name).cross_process:
+            elif not load_data_plane(plane_of(name)).cross_process:
                 self.skipped[name] = "in-process only; nothing to measure between two processes"
             elif (why := _unusable(name, args.data_path)) is not None:
                 self.skipped[name] = why
@@ -166,7 +167,8 @@ class Bench:
             self.memcpy_src = torch.empty(self.max_blocks * self.cache.spec.bytes_per_block, dtype=torch.uint8)
             self.memcpy_src.fill_(1)
             self.memcpy_dst = torch.empty_like(self.memcpy_src)
-            self.ucx_raw = self._ucx_raw() if "ucx" in self.conns else None
+            ucx_rows = [n for n in self.conns if plane_of(n) == "ucx"]
+            self.ucx_raw = self._ucx_raw(ucx_rows[0]) if ucx_rows else None
             cases = [(p, t) for p in args.patterns for t in args.tokens]
             progress = Progress(len(cases), "cases")
             rng = np.random.default_rng(0)
@@ -403,12 +405,13 @@ class Bench:
             raise TimeoutError(f"the producer process did not answer in {timeout_s:g}s")
         return self.pipe.recv()
 
-    def _ucx_raw(self) -> UcxRaw:
-        """Endpoints both ways: the producer sends on its own, this process receives on its own."""
-        plane, bare = ucx_runtime_plane(self.conns["ucx"])
+    def _ucx_raw(self, row: str) -> UcxRaw:
+        """Endpoints both ways: the producer sends on its own, this process receives on its own
+        (on the UCX runtime of connector row ``row``, a ucx one)."""
+        plane, bare = ucx_runtime_plane(self.conns[row])
         if bare:
             self.bare_planes.append(plane)
-        self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block))
+        self.pipe.send(("ucx_connect", plane.rt.address, self.max_blocks * self.cache.spec.bytes_per_block, row))
         return UcxRaw(plane, self._recv())
 
     # -------------------------------------------------------------- one pattern x size
@@ -490,7 +493,7 @@ class Bench:
                              "x_memcpy": r["gbps"] / memcpy})
 
     def _baseline_of(self, name: str, pat: str, baselines: dict[str, Any]) -> str:
-        if (name == "ucx" or peer_mod.engine_of(name) == "nixl") and "raw ucxx (one message)" in baselines:
+        if (plane_of(name) == "ucx" or peer_mod.engine_of(name) == "nixl") and "raw ucxx (one message)" in baselines:
             return "raw ucxx (one message)" if pat == "contiguous" else "raw ucxx (pieces)"
         return "raw socket"
 
@@ -549,7 +552,8 @@ class Bench:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
-                    help="data planes to measure (default: every installed one that works across processes)")
+                    help="data planes to measure (default: every installed one that works across processes); "
+                         "ucx-2s: the ucx plane with reads: two-sided (its default is one-sided)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
     ap.add_argument("--peers", action="store_true",

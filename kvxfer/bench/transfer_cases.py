@@ -42,15 +42,28 @@ class Conn(Protocol):
     def close(self) -> None: ...
 
 
+# connector rows that are a plane with options, not its defaults: name -> (plane, connector.data_plane)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"ucx-2s": ("ucx", {"reads": "two-sided"})}
+
+
+def plane_of(connector: str) -> str:
+    """The data plane a bench connector row runs: "ucx-2s" -> "ucx"."""
+    return VARIANTS.get(connector, (connector, {}))[0]
+
+
 def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None = None) -> InstanceConfig:
-    """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default)."""
+    """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default).
+    ``connector``: a data plane, or a variant of one (VARIANTS)."""
     extra: dict[str, Any] = {} if data_path is None else {"data_path": data_path}
+    plane, options = VARIANTS.get(connector, (connector, {}))
+    if options:
+        extra["data_plane"] = dict(options)
     return InstanceConfig(
         role=role, engine_id=f"bench-{role}-{connector}",
         model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
                           head_size=128, intermediate_size=14336, vocab_size=128256),
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
-        connector=ConnectorConfig(name=connector, side_channel=SideChannelConfig(port=0), **extra),
+        connector=ConnectorConfig(name=plane, side_channel=SideChannelConfig(port=0), **extra),
     )
 
 
@@ -231,7 +244,7 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 while raw.recv(1) == b"g":
                     send_pieces(raw, pieces)
             elif op == "ucx_connect":
-                ucx_plane, bare = ucx_runtime_plane(conns["ucx"])
+                ucx_plane, bare = ucx_runtime_plane(conns[cmd[3]])
                 if bare:
                     bare_planes.append(ucx_plane)
                 ucx_raw = UcxRaw(ucx_plane, cmd[1], cmd[2])

@@ -55,13 +55,14 @@ def nixl_comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     NIXL's best (``nixl``), same case, same run: p50 and GB/s ratios (kvxfer / NIXL; a p50
     ratio under 1 and a GB/s ratio over 1 are kvxfer ahead)."""
     from kvxfer.bench.peers import SAME_WIRE
+    from kvxfer.bench.transfer_cases import plane_of
 
     peers = {(r["connector"], r["pattern"], r["tokens"]): r for r in records if r["kind"] == "peer"}
     out = []
     for r in records:
         if r["kind"] != "connector":
             continue
-        same = SAME_WIRE.get(r["connector"])
+        same = SAME_WIRE.get(plane_of(r["connector"]))
         for against, peer in (("same wire", same), ("NIXL's best", "nixl" if same != "nixl" else None)):
             n = peers.get((peer, r["pattern"], r["tokens"])) if peer else None
             if n is None:
