@@ -253,3 +253,14 @@ def test_bench_e2e_runs_pull_and_push_on_a_shaped_link(tmp_path: Path) -> None:
         assert x["ttft_p50_ms"] > 0 and x["ttft_vs_pull"] > 0
     assert [x["shape_mbit"] for x in recs if x["link"] == "shaped"] == [200.0, 200.0]
     assert png.read_bytes()[:8] == PNG
+
+
+def test_a_bench_variant_row_runs_its_plane_with_the_variants_options() -> None:
+    """``--connectors ucx-2s``: the ucx plane with reads: two-sided, beside the default ucx row."""
+    from kvxfer.bench.transfer_cases import plane_of
+
+    cfg = make_cfg("decode", "ucx-2s", 8)
+    assert (cfg.connector.name, dict(cfg.connector.data_plane)) == ("ucx", {"reads": "two-sided"})
+    assert cfg.engine_id == "bench-decode-ucx-2s" and plane_of("ucx-2s") == "ucx" and plane_of("tcp") == "tcp"
+    plain = make_cfg("decode", "ucx", 8)
+    assert (plain.connector.name, dict(plain.connector.data_plane)) == ("ucx", {})
