@@ -619,7 +619,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
             for key in list(self._clients):
                 self._forget_client(key)
             for session in list(self._rma_workers):
-                await self._stop_rma(session)
+                self._stop_rma(session)
             if self._receiver is not None:
                 self.rt.retire_receive_worker(self._receiver.ctx, [], keep_s=1.0)
                 self._receiver = None

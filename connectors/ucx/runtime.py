@@ -180,12 +180,9 @@ class UcxRuntime:
 
     def _stop_rma_workers(self) -> None:  # at exit: no native thread may outlive the interpreter's UCX
         with self._lock:
-            workers, self._rma_workers = list(self._rma_workers), set()
+            workers = list(self._rma_workers)
         for worker in workers:
-            try:
-                worker.stop_progress_thread()
-            except Exception as e:
-                logger.debug("ucx: stopping an RMA worker at exit: %s", e)
+            self.stop_rma_worker(worker)
 
     def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float) -> None:
         """Stop progressing a receive worker for good and close its endpoints (loop thread).

@@ -75,7 +75,7 @@ class Serving:
                 if ack is not None:
                     self._ctrl.send_multipart([parts[0], b"A" + msgspec.msgpack.encode(ack)])
             elif kind == b"B":  # a consumer dropped this producer: the RMA worker made for it goes
-                self.rt.submit(self._stop_rma(payload))
+                self.rt.loop.call_soon_threadsafe(self._stop_rma, payload)
             elif kind == b"R":
                 msg = decode_data(payload)
                 if isinstance(msg, ReadRequest):
@@ -116,17 +116,17 @@ class Serving:
             self._sessions[hello.session] = key
         if not hello.rma:
             return None
-        await self._stop_rma(hello.session)  # the consumer retired its end of it
+        self._stop_rma(hello.session)  # the consumer retired its end of it
         while len(self._rma_workers) >= MAX_RMA_WORKERS:  # the oldest consumer's next read fails; it says hello again
             oldest = next(iter(self._rma_workers))
             logger.warning("ucx plane %d: %d consumers read one-sided; the oldest one's RMA worker is stopped",
                            self.plane_id, len(self._rma_workers))
-            await self._stop_rma(oldest)
+            self._stop_rma(oldest)
         worker = self.rt.new_rma_worker()
         self._rma_workers[hello.session] = worker
         return HelloAck(hello.hello_id, rma=bytes(worker.address.tobytes()))
 
-    async def _stop_rma(self, session: bytes) -> None:
+    def _stop_rma(self, session: bytes) -> None:  # loop thread
         worker = self._rma_workers.pop(session, None)
         if worker is not None:
             self.rt.stop_rma_worker(worker)
