@@ -183,3 +183,23 @@ def test_a_one_sided_hello_without_a_valid_token_is_refused_at_once_by_code() ->
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_one_sided_read_from_a_consumer_the_producer_forgot_is_refused_at_once_by_code() -> None:
+    """The grant comes back on the control socket, refusals too: a consumer the producer no longer
+    knows (its endpoint closed after a timeout) hears AUTH at once, not at the plane's deadline."""
+    p = Pair({"reads": "one-sided", "timeout_s": 20})
+    try:
+        p.holds.hold("a", [3], 16)
+
+        async def forget() -> None:
+            for key in list(p.producer._clients):
+                p.producer._forget_client(key)
+
+        p.producer.rt.submit(forget()).result(5)
+        t0 = time.monotonic()
+        (res,) = read_many(p, [("a", [3], [0])])
+        assert not res.ok and res.code is ErrorCode.AUTH and time.monotonic() - t0 < 10, res
+        assert not p.dst[:STRIDE].any(), "the refused read wrote nothing"
+    finally:
+        p.close()
