@@ -203,3 +203,34 @@ def test_a_one_sided_read_from_a_consumer_the_producer_forgot_is_refused_at_once
         assert not p.dst[:STRIDE].any(), "the refused read wrote nothing"
     finally:
         p.close()
+
+
+def test_a_connect_the_producer_never_answers_times_out_naming_its_step_and_leaves_no_peer() -> None:
+    """A hello answered by no one (a control socket that takes messages and says nothing): the
+    connect fails at the plane's timeout with a TimeoutError that says where it stood, keeps no
+    half-made peer, and a later connect to the real control socket works."""
+    import msgspec
+    import zmq
+    from kvxfer.connectors.ucx.wire import UcxAddress
+
+    src = np.zeros(NB * STRIDE, dtype=np.uint8)
+    producer, consumer = UcxDataPlane(), UcxDataPlane({"timeout_s": 1.5})
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    try:
+        producer.register([region(0, src)])
+        real = msgspec.msgpack.decode(producer.address(), type=UcxAddress)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        mute = msgspec.msgpack.encode(msgspec.structs.replace(real, control=f"tcp://127.0.0.1:{port}"))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"within 1.5s: waiting for the producer's answer to the hello"):
+            consumer.connect("p", mute)
+        assert 1.4 < time.monotonic() - t0 < 10
+        assert silent.poll(1000), "the hello went to the silent socket"
+        wait_for(lambda: not consumer._peers, "the half-made peer is not kept")
+        consumer.connect("p", producer.address())
+        assert list(consumer._peers) == ["p"] and len(producer._rma_workers) == 1
+    finally:
+        silent.close()
+        consumer.close()
+        producer.close()

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
 from kvxfer.connectors.ucx.rma import Getter, RemoteKey, UcxRmaError, map_region
+from kvxfer.connectors.ucx.runtime import RMA_EPOLL_TIMEOUT_MS
 
 SIZE = 8 << 20
 TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"  # the ucx plane's default: gets are emulated on the producer's worker
@@ -39,7 +40,7 @@ def _producer(conn: Any) -> None:
     worker = ux.UCXWorker(ctx)
     cache = _content()
     key = map_region(ctx.handle, cache.ctypes.data, SIZE)
-    worker.start_progress_thread(polling_mode=False)
+    worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)  # as the plane does
     spinning = threading.Event()
     spinning.set()
 
@@ -172,7 +173,7 @@ def _big_producer(conn: Any) -> None:
     worker = ux.UCXWorker(ctx)
     cache = np.ones(BIG, dtype=np.uint8)
     key = map_region(ctx.handle, cache.ctypes.data, BIG)
-    worker.start_progress_thread(polling_mode=False)
+    worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)  # as the plane does
     conn.send((worker.address.tobytes(), key.rkey, cache.ctypes.data))
     time.sleep(120)
 

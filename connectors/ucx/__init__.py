@@ -72,6 +72,7 @@ socket listens; default the side channel's host).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -97,6 +98,7 @@ from kvxfer.handshake import HandshakeError
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 
+from .connecting import SLOW_CONNECT_S, ConnectSteps
 from .rma import Getter, MemoryKey, RemoteRegions, UcxRmaError, map_region
 from .runtime import UcxRuntime, close_now
 from .serving import Serving
@@ -273,9 +275,19 @@ class UcxDataPlane(Serving, HostRegionPlane):
         if self.one_sided and not (addr.one_sided and addr.regions):
             raise ConnectionError(f"peer {peer_id} offers no one-sided ucx reads (an older kvxfer, or UCX would not "
                                   f"map its memory): set connector.data_plane.reads: two-sided")
-        self.rt.submit(self._connect(peer_id, addr, token)).result(timeout=self.timeout_s)
+        steps = ConnectSteps()
+        fut = self.rt.submit(self._connect(peer_id, addr, token, steps))
+        try:
+            fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # _connect unwinds on the loop thread: the half-made peer is not kept
+            raise TimeoutError(f"peer {peer_id}: ucx connect unfinished within {self.timeout_s:g}s: "
+                               f"{steps.describe()}") from None
+        steps.at("connected")
+        if steps.total_s() > SLOW_CONNECT_S:
+            logger.warning("ucx plane %d: slow connect to peer %s: %s", self.plane_id, peer_id, steps.describe())
 
-    async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes) -> None:
+    async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes, steps: ConnectSteps) -> None:
         if self._receiver is None:
             self._receiver = self._new_receiver()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -283,7 +295,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(addr.control)
         try:
-            self._peers[peer_id] = await self._hello(addr, token, dealer, self._receiver)
+            self._peers[peer_id] = await self._hello(addr, token, dealer, self._receiver, steps)
         except BaseException:
             dealer.close(linger=0)
             raise
@@ -292,8 +304,10 @@ class UcxDataPlane(Serving, HostRegionPlane):
         ctx = self.rt.new_receive_worker()
         return _Receiver(ctx, bytes(ctx.worker_address))
 
-    async def _hello(self, addr: UcxAddress, token: bytes, dealer: Any, receiver: _Receiver) -> _Peer:
+    async def _hello(self, addr: UcxAddress, token: bytes, dealer: Any, receiver: _Receiver,
+                     steps: ConnectSteps | None = None) -> _Peer:
         """An endpoint from the receive worker to the producer, and a hello that tells it where to reply."""
+        steps = steps or ConnectSteps()
         ucxx = self.ucxx
         ep = await receiver.ctx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
                                                                     endpoint_error_handling=False)
@@ -304,8 +318,11 @@ class UcxDataPlane(Serving, HostRegionPlane):
                                                          hello_id=hello_id)))
         rma: _Rma | None = None
         if self.one_sided:
+            steps.at("waiting for the producer's answer to the hello")
             try:
-                rma = await self._rma_to(addr, await self._ack(dealer, hello_id))
+                worker = await self._ack(dealer, hello_id)
+                steps.at("wiring up the endpoint to the producer's RMA worker")
+                rma = await self._rma_to(addr, worker)
             except BaseException:
                 close_now(ep)
                 raise

@@ -43,6 +43,13 @@ def close_now(ep: Any) -> None:
 
 
 IDLE_TICK_S = 0.005
+# An RMA worker's native progress thread sleeps in epoll at most this long. ucxx's blocking
+# progress can miss a wakeup, then sleep until UCX's keepalive round (20 s here) wakes it
+# (rapidsai/ucxx#15 "Wakeup may hang for 20 seconds", #68: ucxx's own async default is 1 ms).
+# Once in CI a consumer's first connect waited out its 20 s deadline wiring up to a fresh RMA
+# worker. Idle, 5 ms costs 0.008 of a core per consumer here (0.18 with 64); it bounds a
+# missed wakeup at 5 ms, the main worker's idle tick.
+RMA_EPOLL_TIMEOUT_MS = 5
 
 
 def _own_progress(loop: asyncio.AbstractEventLoop) -> bool:
@@ -160,7 +167,7 @@ class UcxRuntime:
         from ucxx._lib import libucxx
 
         worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False, enable_python_future=False)
-        worker.start_progress_thread(polling_mode=False)
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)
         with self._lock:
             self._rma_workers.add(worker)
         return worker

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import describe, report
 
+from .connecting import SLOW_CONNECT_S
 from .rma import MemoryKey
 from .runtime import UcxRuntime, close_now
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, gather_pieces
@@ -70,8 +72,12 @@ class Serving:
         try:
             if kind == b"H":
                 # done before the next message: a read must find the endpoint back in place
+                began = time.monotonic()
                 ack = self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
                     timeout=self.timeout_s)
+                if time.monotonic() - began > SLOW_CONNECT_S:
+                    logger.warning("ucx plane %d: a hello took %.2fs to answer", self.plane_id,
+                                   time.monotonic() - began)
                 if ack is not None:
                     self._ctrl.send_multipart([parts[0], b"A" + msgspec.msgpack.encode(ack)])
             elif kind == b"B":  # a consumer dropped this producer: the RMA worker made for it goes
