@@ -234,3 +234,21 @@ def test_a_connect_the_producer_never_answers_times_out_naming_its_step_and_leav
         silent.close()
         consumer.close()
         producer.close()
+
+
+def test_planes_closed_after_one_sided_reads_leave_ucx_nothing_to_warn_about_at_exit() -> None:
+    """Close stops the RMA workers, then unmaps the producer's regions, and a consumer's retired
+    keys are destroyed: a process that read one-sided and closed its planes exits without UCX
+    warning of regions still in use or keys never returned."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from test_ucx_bursts import Pair\nfrom test_cma_bursts import read_many\n"
+            "p = Pair({'reads': 'one-sided'})\np.holds.hold('a', [3], 16)\n"
+            "(r,) = read_many(p, [('a', [3], [0])])\nassert r.ok, r\n"
+            "assert (p.dst[:%d] == p.src[3 * %d:4 * %d]).all()\np.close()\n" % (STRIDE, STRIDE, STRIDE))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "UCX  WARN" not in out.stdout + out.stderr, out.stdout + out.stderr

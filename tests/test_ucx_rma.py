@@ -156,6 +156,7 @@ def test_a_producer_killed_mid_read_fails_the_flush_as_a_lost_peer() -> None:
                 assert time.monotonic() < end, "the flush neither failed nor completed"
         assert isinstance(e.value, ConnectionError) and e.value.status < 0
         assert not local.any(), "a stopped producer served a get"
+        key.close()
         _close(ep)
     finally:
         proc.kill()

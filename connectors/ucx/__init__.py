@@ -379,9 +379,10 @@ class UcxDataPlane(Serving, HostRegionPlane):
     def _retire_rma(self, peer: _Peer) -> None:
         if peer.rma is not None:
             if not peer.reading:
-                peer.rma.regions.close()  # with reads in flight the keys are left to the retired worker
+                peer.rma.regions.close()
             keep_s = self.timeout_s + 1.0 if peer.reading else 1.0  # freed once the reads on it unwound
-            self.rt.retire_receive_worker(peer.rma.ctx, [peer.rma.endpoint], keep_s=keep_s)
+            self.rt.retire_receive_worker(peer.rma.ctx, [peer.rma.endpoint], keep_s=keep_s,
+                                          on_free=peer.rma.regions.close if peer.reading else None)
             peer.rma = None
 
     def disconnect(self, peer_id: str) -> None:
@@ -637,6 +638,9 @@ class UcxDataPlane(Serving, HostRegionPlane):
                 self._forget_client(key)
             for session in list(self._rma_workers):
                 self._stop_rma(session)
+            for mapped in self._keys.values():  # no RMA worker serves gets of them now
+                mapped.close()
+            self._keys.clear()
             if self._receiver is not None:
                 self.rt.retire_receive_worker(self._receiver.ctx, [], keep_s=1.0)
                 self._receiver = None

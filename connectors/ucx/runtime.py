@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
@@ -191,14 +191,15 @@ class UcxRuntime:
         for worker in workers:
             self.stop_rma_worker(worker)
 
-    def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float) -> None:
+    def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float,
+                              on_free: Callable[[], None] | None = None) -> None:
         """Stop progressing a receive worker for good and close its endpoints (loop thread).
 
         Why stop at once: with shared memory and tcp a reply's bytes land only while the
         receiving worker is progressed, so once this returns nothing a late or half-dead
         producer still sends can reach blocks given back afterwards (RDMA puts from the
         sender are the exception: docs/security.md). The worker is freed ``keep_s`` later, once
-        the reads cancelled on it have unwound.
+        the reads cancelled on it have unwound (``on_free`` runs then: what those reads still used).
         """
         self.receive_workers.discard(ctx.worker)
         for ep in endpoints:
@@ -208,7 +209,12 @@ class UcxRuntime:
         except Exception as e:
             logger.debug("ucx: cancelling requests on a retired receive worker: %s", e)
         self._retired.append(ctx)
-        self.loop.call_later(keep_s, self._retired.remove, ctx)
+        self.loop.call_later(keep_s, self._free_retired, ctx, on_free)
+
+    def _free_retired(self, ctx: Any, on_free: Callable[[], None] | None) -> None:
+        self._retired.remove(ctx)
+        if on_free is not None:
+            on_free()
 
     @contextlib.asynccontextmanager
     async def active(self) -> AsyncIterator[None]:
