@@ -27,7 +27,7 @@ registration and publishes the packed keys in its address.
 
 Why a worker per peer on both sides: a process killed while writing into a worker's
 shared-memory FIFO leaves a slot claimed and never filled, and every later message to that
-worker waits behind it. Each producer's gets run on a consumer worker of their own (_Rma,
+worker waits behind it. Each producer's gets run on a consumer worker of their own (RmaReads,
 retired after a failed read), and each consumer's get requests go to a producer RMA worker of
 their own (tests/test_faults.py's consumer-killed-mid-read case: with one shared worker the
 next consumer could not connect).
@@ -72,13 +72,12 @@ socket listens; default the side channel's host).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -94,13 +93,12 @@ from kvxfer.dataplane import (
     ReadRefused,
     check_bounds,
 )
-from kvxfer.handshake import HandshakeError
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 
-from .connecting import SLOW_CONNECT_S, ConnectSteps
-from .rma import Getter, MemoryKey, RemoteRegions, UcxRmaError, map_region
-from .runtime import UcxRuntime, close_now
+from .connecting import Connecting, Peer, Receiver, RmaReads
+from .rma import MemoryKey, UcxRmaError, map_region
+from .runtime import UcxRuntime
 from .serving import Serving
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, scatter_pieces
 from .wire import (
@@ -110,8 +108,6 @@ from .wire import (
     KIND_HEADER,
     MAX_CONTROL_BYTES,
     REPLY_LENGTH,
-    Hello,
-    HelloAck,
     UcxAddress,
     message_tag,
 )
@@ -129,15 +125,6 @@ MAX_MERGED_PIECES = 1 << 14  # pieces of the staged reads that go to a producer 
 OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host", "reads"}
 
 
-@dataclass
-class _Receiver:
-    """One plane's receive worker, where its producers send replies, and the reads waiting on it."""
-
-    ctx: Any  # an ApplicationContext around the worker (UcxRuntime.new_receive_worker)
-    address: bytes  # the worker's UCX address, sent to producers in hellos
-    reads: set[asyncio.Task[Any]] = field(default_factory=set)
-
-
 @dataclass(frozen=True)
 class _Part:
     """One read (its batch) within a request to a producer; a burst's staged reads share one."""
@@ -147,35 +134,7 @@ class _Part:
     d: Descriptors
 
 
-@dataclass
-class _Rma:
-    """One-sided reads from one producer: a worker of their own (so a producer that dies while
-    its replies fill that worker's shared-memory FIFO wedges nothing of other producers'), an
-    endpoint from it to the producer's RMA worker, its regions' keys unpacked there, the getter.
-    Retired, never reused, when a read from that producer fails or the receive worker is renewed:
-    unprogressed, it lands no late byte."""
-
-    ctx: Any  # an ApplicationContext around the worker (UcxRuntime.new_receive_worker)
-    endpoint: Any
-    regions: RemoteRegions
-    getter: Getter
-
-
-@dataclass
-class _Peer:
-    """A producer this plane reads from, as seen from one receive worker."""
-
-    address: UcxAddress
-    token: bytes
-    dealer: Any  # ZMQ DEALER to its control socket (loop thread only)
-    endpoint: Any  # on the receiver's worker
-    receiver: _Receiver
-    rma: _Rma | None = None  # set when this plane reads one-sided
-    reading: int = 0  # reads in flight on this endpoint
-    grants: dict[int, asyncio.Future[ReadReply]] = field(default_factory=dict)  # one-sided reads' batch -> grant
-
-
-class UcxDataPlane(Serving, HostRegionPlane):
+class UcxDataPlane(Connecting, Serving, HostRegionPlane):
     """Reads over UCX tag messages; see the module docstring for the protocol."""
 
     name = "ucx"
@@ -208,8 +167,8 @@ class UcxDataPlane(Serving, HostRegionPlane):
         self.plane_id = next(self.rt.plane_ids)
         self.engine_id = "kvxfer"
         self._session = os.urandom(16)
-        self._peers: dict[str, _Peer] = {}  # (loop thread only)
-        self._receiver: _Receiver | None = None  # made on the first connect (loop thread only)
+        self._peers: dict[str, Peer] = {}  # (loop thread only)
+        self._receiver: Receiver | None = None  # made on the first connect (loop thread only)
         self._clients: dict[tuple[bytes, int], Any] = {}  # (worker, plane) -> endpoint back to a consumer
         self._sessions: dict[bytes, tuple[bytes, int]] = {}  # consumer session -> its current (worker, plane)
         self._ids = itertools.count(1)
@@ -265,177 +224,6 @@ class UcxDataPlane(Serving, HostRegionPlane):
                                                  one_sided=bool(keys), regions=keys))
 
     # ------------------------------------------------------------------ consumer
-    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
-        try:
-            addr = msgspec.msgpack.decode(address, type=UcxAddress)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
-        if peer_id in self._peers:
-            return
-        if self.one_sided and not (addr.one_sided and addr.regions):
-            raise ConnectionError(f"peer {peer_id} offers no one-sided ucx reads (an older kvxfer, or UCX would not "
-                                  f"map its memory): set connector.data_plane.reads: two-sided")
-        steps = ConnectSteps()
-        fut = self.rt.submit(self._connect(peer_id, addr, token, steps))
-        try:
-            fut.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()  # _connect unwinds on the loop thread: the half-made peer is not kept
-            raise TimeoutError(f"peer {peer_id}: ucx connect unfinished within {self.timeout_s:g}s: "
-                               f"{steps.describe()}") from None
-        steps.at("connected")
-        if steps.total_s() > SLOW_CONNECT_S:
-            logger.warning("ucx plane %d: slow connect to peer %s: %s", self.plane_id, peer_id, steps.describe())
-
-    async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes, steps: ConnectSteps) -> None:
-        if self._receiver is None:
-            self._receiver = self._new_receiver()
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(addr.control)
-        try:
-            self._peers[peer_id] = await self._hello(addr, token, dealer, self._receiver, steps)
-        except BaseException:
-            dealer.close(linger=0)
-            raise
-
-    def _new_receiver(self) -> _Receiver:
-        ctx = self.rt.new_receive_worker()
-        return _Receiver(ctx, bytes(ctx.worker_address))
-
-    async def _hello(self, addr: UcxAddress, token: bytes, dealer: Any, receiver: _Receiver,
-                     steps: ConnectSteps | None = None) -> _Peer:
-        """An endpoint from the receive worker to the producer, and a hello that tells it where to reply."""
-        steps = steps or ConnectSteps()
-        ucxx = self.ucxx
-        ep = await receiver.ctx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(addr.worker),
-                                                                    endpoint_error_handling=False)
-        hello_id = next(self._ids)
-        dealer.send(b"H" + msgspec.msgpack.encode(Hello(worker=receiver.address, plane=self.plane_id,
-                                                         engine_id=self.engine_id, token=token,
-                                                         session=self._session, rma=self.one_sided,
-                                                         hello_id=hello_id)))
-        rma: _Rma | None = None
-        if self.one_sided:
-            steps.at("waiting for the producer's answer to the hello")
-            try:
-                worker = await self._ack(dealer, hello_id)
-                steps.at("wiring up the endpoint to the producer's RMA worker")
-                rma = await self._rma_to(addr, worker)
-            except BaseException:
-                close_now(ep)
-                raise
-        return _Peer(addr, token, dealer, ep, receiver, rma)
-
-    async def _ack(self, dealer: Any, hello_id: int) -> bytes:
-        """The producer's answer to hello ``hello_id``: the address of the RMA worker it made for
-        this plane. Raises HandshakeError with the producer's code if it refused, TimeoutError
-        if it did not answer within the plane's timeout."""
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        while True:
-            while dealer.poll(0):
-                msg = dealer.recv(zmq.NOBLOCK)
-                if msg[:1] != b"A":  # a grant to a read given up
-                    continue
-                try:
-                    ack = msgspec.msgpack.decode(msg[1:], type=HelloAck)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    raise ConnectionError(f"bad answer to a ucx hello: {e}") from None
-                if ack.hello_id != hello_id:  # to an earlier hello that timed out here
-                    continue
-                if ack.code is not None or not ack.rma:
-                    raise HandshakeError(f"the producer refused one-sided reads: {ack.error or 'no RMA worker'}",
-                                         ack.code or ErrorCode.INTERNAL)
-                return ack.rma
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"no answer to a ucx hello within {self.timeout_s:g}s")
-            await asyncio.sleep(0.001)
-
-    async def _rma_to(self, addr: UcxAddress, worker: bytes) -> _Rma:
-        """A worker and endpoint for one-sided reads from one producer (``worker`` is the RMA
-        worker it made for this plane), wired up now (a flush: the first load does not pay for
-        it) within the plane's timeout."""
-        ctx = self.rt.new_receive_worker()
-        ep = None
-        try:
-            ep = await ctx.create_endpoint_from_worker_address(self.ucxx.get_ucx_address_from_buffer(worker),
-                                                               endpoint_error_handling=False)
-            handle = ep._ep.handle
-            rma = _Rma(ctx, ep, RemoteRegions(handle, dict(addr.regions)), Getter(handle))
-            req = rma.getter.flush()
-            async with self.rt.active():
-                await asyncio.wait_for(self._landed(rma.getter, req), self.timeout_s)
-            return rma
-        except BaseException:
-            self.rt.retire_receive_worker(ctx, [ep] if ep is not None else [], keep_s=1.0)
-            raise
-
-    @staticmethod
-    async def _landed(getter: Getter, req: int | None) -> None:
-        while not getter.done(req):  # a producer that died fails the flush (UcxRmaError: the peer is lost)
-            await asyncio.sleep(0)
-
-    def _retire_rma(self, peer: _Peer) -> None:
-        if peer.rma is not None:
-            if not peer.reading:
-                peer.rma.regions.close()
-            keep_s = self.timeout_s + 1.0 if peer.reading else 1.0  # freed once the reads on it unwound
-            self.rt.retire_receive_worker(peer.rma.ctx, [peer.rma.endpoint], keep_s=keep_s,
-                                          on_free=peer.rma.regions.close if peer.reading else None)
-            peer.rma = None
-
-    def disconnect(self, peer_id: str) -> None:
-        if peer_id not in self._peers:
-            return
-        try:
-            self.rt.submit(self._drop(peer_id)).result(timeout=10)
-        except Exception as e:  # the caller goes on either way: the peer is no longer used
-            logger.warning("ucx plane %d: dropping peer %s: %s: %s", self.plane_id, peer_id, type(e).__name__, e)
-
-    async def _drop(self, peer_id: str) -> None:
-        """Close the endpoint and the control socket without waiting for the peer. A peer
-        dropped with reads in flight may be stopped with a reply half sent, or have died
-        writing into the receive worker's shared-memory FIFO and wedged it, so that worker
-        is retired and every other peer moves to a fresh one (_renew_receiver)."""
-        peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        if self.one_sided:  # the producer stops the RMA worker it made for this plane (linger: the bye goes out)
-            peer.dealer.send(b"B" + self._session, zmq.NOBLOCK)
-        peer.dealer.close(linger=500 if self.one_sided else 0)
-        if peer.reading and peer.receiver is self._receiver:
-            await self._renew_receiver(peer, f"peer {peer_id} dropped with {peer.reading} read(s) in flight")
-        else:
-            self._retire_rma(peer)
-            close_now(peer.endpoint)
-
-    async def _renew_receiver(self, dropped: _Peer, why: str) -> None:
-        """Retire the receive worker (no more progress: nothing more lands in the blocks of the
-        reads on it, which fail now) and hello every other peer from a fresh one."""
-        old, moving = dropped.receiver, dict(self._peers)
-        self._receiver = self._new_receiver()
-        self.rt.retire_receive_worker(old.ctx, [dropped.endpoint] + [p.endpoint for p in moving.values()],
-                                      keep_s=self.timeout_s + 1.0)
-        for p in (dropped, *moving.values()):  # their gets stop too; _hello gives the moved ones fresh workers
-            self._retire_rma(p)
-        current = asyncio.current_task()
-        cancelled = [t for t in old.reads if t is not current and not t.done()]
-        for task in cancelled:
-            task.cancel()
-        logger.warning("ucx plane %d: new receive worker (%s); %d other read(s) failed, %d peer(s) moved",
-                       self.plane_id, why, len(cancelled), len(moving))
-        for peer_id, peer in moving.items():
-            if self._peers.get(peer_id) is not peer:  # dropped meanwhile
-                continue
-            try:
-                self._peers[peer_id] = await self._hello(peer.address, peer.token, peer.dealer, self._receiver)
-            except Exception as e:  # this peer reconnects on its next handshake
-                logger.warning("ucx plane %d: peer %s not moved to the new receive worker: %s", self.plane_id,
-                               peer_id, e)
-                del self._peers[peer_id]
-                peer.dealer.close(linger=0)
-
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         return self.read_many(((peer_id, request_id, descriptors),))[0]
 
@@ -549,7 +337,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
         if each_alone:
             await asyncio.gather(*(self._read(peer_id, [p]) for p in parts))
 
-    async def _receive(self, peer: _Peer, hdr: Any, header: np.ndarray | None, data_tag: Any, d: Descriptors,
+    async def _receive(self, peer: Peer, hdr: Any, header: np.ndarray | None, data_tag: Any, d: Descriptors,
                        staged: bool) -> None:
         ep = peer.endpoint
         if header is None:  # one-sided: the grant, then the gets
@@ -587,7 +375,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
                 await asyncio.gather(*(ep.recv(v, tag=data_tag, force_tag=True) for v in views[i : i + self.inflight]))
 
     @staticmethod
-    def _drain(peer: _Peer) -> None:
+    def _drain(peer: Peer) -> None:
         """Hand each grant that came back on the peer's control socket to the read waiting for
         it (loop thread; every one-sided read waiting on this peer drains for all)."""
         if peer.dealer.closed:
@@ -609,7 +397,7 @@ class UcxDataPlane(Serving, HostRegionPlane):
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def _get(self, rma: _Rma, d: Descriptors) -> None:
+    async def _get(self, rma: RmaReads, d: Descriptors) -> None:
         """The granted pieces, got one-sided into this side's regions; returns once they landed
         (an endpoint flush, progressed by the loop's spinner while the caller is active)."""
         space = self._address_space()
