@@ -76,6 +76,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -340,6 +341,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
     async def _receive(self, peer: Peer, hdr: Any, header: np.ndarray | None, data_tag: Any, d: Descriptors,
                        staged: bool) -> None:
         ep = peer.endpoint
+        asked = time.monotonic()
         if header is None:  # one-sided: the grant, then the gets
             while not hdr.done():
                 self._drain(peer)
@@ -357,7 +359,12 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         if header is None:
             if peer.rma is None:  # retired meanwhile: never read two-sided instead
                 raise ConnectionError("its one-sided reads were stopped")
+            granted = time.monotonic()
             await self._get(peer.rma, d)
+            if logger.isEnabledFor(logging.DEBUG):  # where a read's time went (monotonic: as the producer's log)
+                logger.debug("ucx plane %d: read %d, %d pieces, %d bytes: asked at %.6f, granted +%.2f ms, landed "
+                             "+%.2f ms", self.plane_id, reply.batch_id, len(d), d.nbytes, asked,
+                             (granted - asked) * 1e3, (time.monotonic() - granted) * 1e3)
         elif staged:
             chunks = chunk_ranges(d.length, self.chunk_bytes)
             sizes = chunk_sizes(d.length, chunks)
