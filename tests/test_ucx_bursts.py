@@ -208,7 +208,8 @@ def test_a_one_sided_read_from_a_consumer_the_producer_forgot_is_refused_at_once
 def test_a_connect_the_producer_never_answers_times_out_naming_its_step_and_leaves_no_peer() -> None:
     """A hello answered by no one (a control socket that takes messages and says nothing): the
     connect fails at the plane's timeout with a TimeoutError that says where it stood, keeps no
-    half-made peer, and a later connect to the real control socket works."""
+    half-made peer, says bye after its hello (so a producer that answers late stops the RMA
+    worker it made), and a later connect to the real control socket works."""
     import msgspec
     import zmq
     from kvxfer.connectors.ucx.wire import UcxAddress
@@ -226,8 +227,9 @@ def test_a_connect_the_producer_never_answers_times_out_naming_its_step_and_leav
         with pytest.raises(TimeoutError, match=r"within 1.5s: waiting for the producer's answer to the hello"):
             consumer.connect("p", mute)
         assert 1.4 < time.monotonic() - t0 < 10
-        assert silent.poll(1000), "the hello went to the silent socket"
-        wait_for(lambda: not consumer._peers, "the half-made peer is not kept")
+        assert consumer._peers == {}, "the half-made peer is not kept"
+        said = [silent.recv_multipart()[1][:1] for _ in range(2) if silent.poll(2000)]
+        assert said == [b"H", b"B"], "a hello, then a bye: an RMA worker made for it late would be stopped"
         consumer.connect("p", producer.address())
         assert list(consumer._peers) == ["p"] and len(producer._rma_workers) == 1
     finally:
@@ -251,4 +253,57 @@ def test_planes_closed_after_one_sided_reads_leave_ucx_nothing_to_warn_about_at_
             "assert (p.dst[:%d] == p.src[3 * %d:4 * %d]).all()\np.close()\n" % (STRIDE, STRIDE, STRIDE))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "UCX  WARN" not in out.stdout + out.stderr, out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    assert "destroying inuse region" not in said and "not returned to mpool" not in said, said
+
+
+def test_a_connect_whose_rma_wire_up_stalls_times_out_naming_that_step_and_retires_its_worker() -> None:
+    """The producer answers the hello, but the RMA worker it names never progresses (as a worker
+    whose progress thread missed its wakeup, which once in CI stalled a first connect for 20 s):
+    the connect fails at the plane's timeout naming the wire-up, retires the worker it made for
+    those gets, keeps no peer, and says bye."""
+    import threading
+
+    import msgspec
+    import zmq
+    from kvxfer.connectors.ucx.wire import Hello, HelloAck, UcxAddress
+    from ucxx._lib import libucxx as ux
+
+    src = np.zeros(NB * STRIDE, dtype=np.uint8)
+    producer, consumer = UcxDataPlane(), UcxDataPlane({"timeout_s": 1.5})
+    stuck = ux.UCXWorker(producer.rt._context(), enable_delayed_submission=False, enable_python_future=False)
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    said: list[bytes] = []
+    done = threading.Event()
+
+    def answer() -> None:  # a control socket that names the never-progressed worker
+        while not done.is_set():
+            if not fake.poll(50):
+                continue
+            identity, msg = fake.recv_multipart()
+            said.append(msg[:1])
+            if msg[:1] == b"H":
+                hello = msgspec.msgpack.decode(msg[1:], type=Hello)
+                ack = HelloAck(hello.hello_id, rma=bytes(stuck.address.tobytes()))
+                fake.send_multipart([identity, b"A" + msgspec.msgpack.encode(ack)])
+
+    answering = threading.Thread(target=answer, daemon=True)
+    try:
+        producer.register([region(0, src)])
+        real = msgspec.msgpack.decode(producer.address(), type=UcxAddress)
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        answering.start()
+        retired = len(consumer.rt._retired)
+        with pytest.raises(TimeoutError, match=r"within 1.5s: wiring up the endpoint to the producer's RMA worker"):
+            consumer.connect("p", msgspec.msgpack.encode(msgspec.structs.replace(
+                real, control=f"tcp://127.0.0.1:{port}")))
+        assert consumer._peers == {}
+        assert len(consumer.rt._retired) == retired + 1, "the worker made for its gets is retired"
+        wait_for(lambda: said == [b"H", b"B"], f"a hello, then a bye (got {said})")
+    finally:
+        done.set()
+        answering.join(5)
+        fake.close()
+        consumer.close()
+        producer.close()

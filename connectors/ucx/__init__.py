@@ -361,7 +361,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
                 raise ConnectionError("its one-sided reads were stopped")
             granted = time.monotonic()
             await self._get(peer.rma, d)
-            if logger.isEnabledFor(logging.DEBUG):  # where a read's time went (monotonic: as the producer's log)
+            if logger.isEnabledFor(logging.DEBUG):  # where a read's time went (monotonic: as the producer's here)
                 logger.debug("ucx plane %d: read %d, %d pieces, %d bytes: asked at %.6f, granted +%.2f ms, landed "
                              "+%.2f ms", self.plane_id, reply.batch_id, len(d), d.nbytes, asked,
                              (granted - asked) * 1e3, (time.monotonic() - granted) * 1e3)
@@ -433,7 +433,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
                 self._forget_client(key)
             for session in list(self._rma_workers):
                 self._stop_rma(session)
-            for mapped in self._keys.values():  # no RMA worker serves gets of them now
+            for mapped in self._keys.values():  # gets of them fail from now (RDMA ones too)
                 mapped.close()
             self._keys.clear()
             if self._receiver is not None:

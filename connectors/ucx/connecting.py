@@ -10,7 +10,7 @@ here; every coroutine runs on the UCX runtime's loop thread (runtime.py).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import itertools
 import logging
 import time
@@ -33,8 +33,8 @@ SLOW_CONNECT_S = 2.0  # a connect slower than this is logged with its steps
 
 
 class ConnectSteps:
-    """The step a connect is in and how long each one before it took (loop thread writes,
-    the calling thread reads after the connect ended or timed out)."""
+    """The step a connect is in and how long each one before it took (the loop thread writes;
+    the calling thread reads once the connect has unwound there)."""
 
     def __init__(self, first: str = "making an endpoint to the producer") -> None:
         self.began = self._since = time.monotonic()
@@ -46,13 +46,18 @@ class ConnectSteps:
         self.took.append((self.step, now - self._since))
         self.step, self._since = step, now
 
+    def finish(self) -> None:
+        self.at("")
+
     def total_s(self) -> float:
         return time.monotonic() - self.began
 
     def describe(self) -> str:
-        before = "; ".join(f"{s}: {t * 1000:.0f} ms" for s, t in self.took)
+        took = "; ".join(f"{s}: {t * 1000:.0f} ms" for s, t in self.took)
+        if not self.step:  # finished
+            return took
         now = f"{self.step} for {time.monotonic() - self._since:.2f}s"
-        return f"{now} (before: {before})" if before else now
+        return f"{now} (before: {took})" if took else now
 
 
 @dataclass
@@ -120,16 +125,18 @@ class Connecting:
             raise ConnectionError(f"peer {peer_id} offers no one-sided ucx reads (an older kvxfer, or UCX would not "
                                   f"map its memory): set connector.data_plane.reads: two-sided")
         steps = ConnectSteps()
-        fut = self.rt.submit(self._connect(peer_id, addr, token, steps))
-        try:
-            fut.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()  # _connect unwinds on the loop thread: the half-made peer is not kept
-            raise TimeoutError(f"peer {peer_id}: ucx connect unfinished within {self.timeout_s:g}s: "
-                               f"{steps.describe()}") from None
-        steps.at("connected")
+        # the deadline is kept on the loop thread: once this returns or raises, _connect has unwound
+        self.rt.submit(self._connect_within(peer_id, addr, token, steps)).result(timeout=self.timeout_s + 10)
         if steps.total_s() > SLOW_CONNECT_S:
             logger.warning("ucx plane %d: slow connect to peer %s: %s", self.plane_id, peer_id, steps.describe())
+
+    async def _connect_within(self, peer_id: str, addr: UcxAddress, token: bytes, steps: ConnectSteps) -> None:
+        try:
+            await asyncio.wait_for(self._connect(peer_id, addr, token, steps), self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # two types on Python 3.10, one from 3.11
+            raise TimeoutError(f"peer {peer_id}: ucx connect unfinished within {self.timeout_s:g}s: "
+                               f"{steps.describe()}") from None
+        steps.finish()
 
     async def _connect(self, peer_id: str, addr: UcxAddress, token: bytes, steps: ConnectSteps) -> None:
         if self._receiver is None:
@@ -141,7 +148,10 @@ class Connecting:
         try:
             self._peers[peer_id] = await self._hello(addr, token, dealer, self._receiver, steps)
         except BaseException:
-            dealer.close(linger=0)
+            if self.one_sided:  # the producer may have made an RMA worker for this hello: it stops it
+                with contextlib.suppress(zmq.ZMQError):
+                    dealer.send(b"B" + self._session, zmq.NOBLOCK)
+            dealer.close(linger=500 if self.one_sided else 0)
             raise
 
     def _new_receiver(self) -> Receiver:
@@ -202,16 +212,20 @@ class Connecting:
         it) within the plane's timeout."""
         ctx = self.rt.new_receive_worker()
         ep = None
+        regions: RemoteRegions | None = None
         try:
             ep = await ctx.create_endpoint_from_worker_address(self.ucxx.get_ucx_address_from_buffer(worker),
                                                                endpoint_error_handling=False)
             handle = ep._ep.handle
-            rma = RmaReads(ctx, ep, RemoteRegions(handle, dict(addr.regions)), Getter(handle))
+            regions = RemoteRegions(handle, dict(addr.regions))
+            rma = RmaReads(ctx, ep, regions, Getter(handle))
             req = rma.getter.flush()
             async with self.rt.active():
                 await asyncio.wait_for(self._landed(rma.getter, req), self.timeout_s)
             return rma
         except BaseException:
+            if regions is not None:  # no get was issued on them
+                regions.close()
             self.rt.retire_receive_worker(ctx, [ep] if ep is not None else [], keep_s=1.0)
             raise
 

@@ -160,10 +160,11 @@ class UcxRuntime:
     def new_rma_worker(self) -> Any:
         """A worker that serves one consumer's one-sided reads of this process's memory: its own,
         with ucxx's native progress thread in blocking mode, so a get that UCX emulates (no RDMA,
-        no CMA) is answered without this process's GIL. Idle, the thread sleeps in epoll
-        (tests/test_ucx_rma.py measures it). One per consumer, because a consumer killed while
-        writing a get into a worker's shared-memory FIFO leaves a slot claimed and never filled,
-        and every later get to that worker waits behind it (tests/test_faults.py's kill case)."""
+        no CMA) is answered without this process's GIL. Idle, the thread sleeps in epoll, waking
+        every RMA_EPOLL_TIMEOUT_MS (tests/test_ucx_rma.py measures its cost). One per consumer,
+        because a consumer killed while writing a get into a worker's shared-memory FIFO leaves a
+        slot claimed and never filled, and every later get to that worker waits behind it
+        (tests/test_faults.py's kill case)."""
         from ucxx._lib import libucxx
 
         worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False, enable_python_future=False)
@@ -212,9 +213,11 @@ class UcxRuntime:
         self.loop.call_later(keep_s, self._free_retired, ctx, on_free)
 
     def _free_retired(self, ctx: Any, on_free: Callable[[], None] | None) -> None:
-        self._retired.remove(ctx)
-        if on_free is not None:
-            on_free()
+        try:
+            if on_free is not None:  # before the worker goes: a remote key returns to its worker's pool
+                on_free()
+        finally:
+            self._retired.remove(ctx)
 
     @contextlib.asynccontextmanager
     async def active(self) -> AsyncIterator[None]:
