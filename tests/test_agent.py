@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from kvxfer.agent import client as agent_client
 from kvxfer.agent.client import AgentConnector
 from kvxfer.agent.messages import StartLoad
-from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.cache import KVCache, allocate_kv_cache, spec_from_config
 from kvxfer.config import (
     CacheConfig,
     ConnectorConfig,
@@ -386,7 +387,9 @@ def test_the_agents_view_of_the_cache_is_prefaulted_without_changing_a_byte() ->
     view = shared.map_cache(spec_from_config(c), NB, tensors)  # starts the populating thread
     buffers = view._buffers
     assert buffers and all(isinstance(b, mmap.mmap) for b in buffers)
-    addr = [t.data_ptr() for t in view.tensors]
+    addr = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers]
+    assert all(any(a <= t.data_ptr() < a + len(b) for a, b in zip(addr, buffers, strict=True))
+               for t in view.tensors), "every tensor lies in a mapping populated"
     deadline = time.monotonic() + 30
     while any(_mapped_rss(a) < len(b) // 4096 * 4096 for a, b in zip(addr, buffers, strict=True)):
         assert time.monotonic() < deadline, "the agent's mapping was not prefaulted within 30 s"
@@ -394,6 +397,25 @@ def test_the_agents_view_of_the_cache_is_prefaulted_without_changing_a_byte() ->
     for v, t, b in zip(view.tensors, cache.tensors, before, strict=True):
         # nothing written: the engine's bytes, seen through both
         assert torch.equal(v.reshape(-1).view(torch.uint8), b) and torch.equal(t.reshape(-1).view(torch.uint8), b)
+
+
+def test_tensors_of_one_storage_are_mapped_once_by_the_agent() -> None:
+    """vLLM's layers are views of one storage: the agent maps that memory file once (not once per
+    layer, each mapping the whole file and populated in full), and each view sees its own bytes."""
+    from kvxfer.agent import shared
+
+    c = cfg("decode")
+    spec = spec_from_config(c)
+    shapes = [shape for _, shape in spec.tensor_shapes(NB)]
+    sizes = [math.prod(shape) for shape in shapes]
+    whole = torch.randint(0, 100, (sum(sizes),), generator=torch.Generator().manual_seed(5)).to(spec.torch_dtype)
+    parts = [p.view(shape) for p, shape in zip(whole.split(sizes), shapes, strict=True)]
+    cache = KVCache(spec=spec, num_blocks=NB, tensors=parts, names=[f"t{i}" for i in range(len(parts))])
+    tensors = shared.share_tensors(cache)
+    view = shared.map_cache(spec, NB, tensors)
+    assert len(view._buffers) == 1 < len(parts)
+    for v, t in zip(view.tensors, cache.tensors, strict=True):
+        assert torch.equal(v, t) and v.data_ptr() != t.data_ptr()
 
 
 def test_a_busy_polling_engine_offers_its_core_while_its_loads_are_in_flight(

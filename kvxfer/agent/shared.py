@@ -85,12 +85,17 @@ def map_cache(spec: KVCacheSpec, num_blocks: int, tensors: list[SharedTensor]) -
     """The agent's view of the engine's cache: tensors over the same shared memory."""
     views: list[torch.Tensor] = []
     buffers: list[object] = []
+    by_file: dict[tuple[int, int], mmap.mmap] = {}  # tensors of one storage (vLLM's layers) share one mapping
     for st in tensors:
-        size = os.fstat(st.fd).st_size
+        info = os.fstat(st.fd)
+        size = info.st_size
         if st.offset + st.nbytes > size:
             raise ValueError(f"shared tensor: {st.nbytes} bytes at {st.offset} exceed its memory file of {size}")
-        buf = mmap.mmap(st.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        buffers.append(buf)
+        buf = by_file.get((info.st_dev, info.st_ino))
+        if buf is None:
+            buf = by_file[(info.st_dev, info.st_ino)] = mmap.mmap(st.fd, size, flags=mmap.MAP_SHARED,
+                                                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            buffers.append(buf)
         raw = torch.frombuffer(buf, dtype=torch.uint8)[st.offset:st.offset + st.nbytes]
         views.append(raw.view(spec.torch_dtype).view(st.shape))
     cache = KVCache(spec=spec, num_blocks=num_blocks, tensors=views, names=[])
