@@ -75,9 +75,9 @@ class Serving:
                 began = time.monotonic()
                 ack = self.rt.submit(self._on_hello(msgspec.msgpack.decode(payload, type=Hello))).result(
                     timeout=self.timeout_s)
-                if time.monotonic() - began > SLOW_CONNECT_S:
-                    logger.warning("ucx plane %d: a hello took %.2fs to answer", self.plane_id,
-                                   time.monotonic() - began)
+                took = time.monotonic() - began
+                if took > SLOW_CONNECT_S:
+                    logger.warning("ucx plane %d: a hello took %.2fs to answer", self.plane_id, took)
                 if ack is not None:
                     self._ctrl.send_multipart([parts[0], b"A" + msgspec.msgpack.encode(ack)])
             elif kind == b"B":  # a consumer dropped this producer: the RMA worker made for it goes
