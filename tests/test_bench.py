@@ -264,3 +264,34 @@ def test_a_bench_variant_row_runs_its_plane_with_the_variants_options() -> None:
     assert cfg.engine_id == "bench-decode-ucx-2s" and plane_of("ucx-2s") == "ucx" and plane_of("tcp") == "tcp"
     plain = make_cfg("decode", "ucx", 8)
     assert (plain.connector.name, dict(plain.connector.data_plane)) == ("ucx", {})
+
+
+_BURN = """
+import sys, time
+while time.process_time() < 0.4:  # CPU of its own, however slowly the machine gives it
+    pass
+print("burnt", flush=True)
+time.sleep(60)
+"""
+
+
+def test_session_cpu_counts_the_cpu_of_a_sessions_processes_and_no_other_sessions() -> None:
+    """`kvxfer bench vllm`'s CPU columns: a session that burnt 0.4 s of CPU shows about that (/proc
+    counts sampled ticks); a session asleep shows less, and none of the other's."""
+    from kvxfer.bench.session_cpu import CpuWindow, session_cpu_s
+
+    burner = subprocess.Popen([sys.executable, "-c", _BURN], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        window = CpuWindow((sleeper.pid,)).start()
+        assert burner.stdout is not None and burner.stdout.readline().strip() == "burnt"
+        burnt = session_cpu_s(burner.pid)
+        assert burnt >= 0.35, burnt  # /proc counts in ticks, sampled
+        assert session_cpu_s(sleeper.pid) < burnt - 0.2
+        assert 0 <= window.cores() < 0.5  # asleep all along (its start-up CPU came before the window)
+        assert session_cpu_s(sleeper.pid + 10**7) == 0  # no such session
+    finally:
+        for p in (burner, sleeper):
+            p.kill()
+            p.wait(10)

@@ -286,6 +286,10 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
         st = phase["stages_us"]
         assert set(st) == {"queue", "plan", "transfer", "complete", "handoff"} and st["transfer"] > 0, st
     assert "busy/idle" in r.stdout and "idle stages, us per load" in r.stdout
+    # what the pair spent: CPU while loading (the servers computed); idle, kvxfer's agents sleep
+    # between their timer wakes (NIXL's UCX progress thread polls a core per worker: 1.6-1.7 here)
+    assert 0 <= rows[-1]["idle_cores"] < 1.0 and rows[-1]["phase_cores"] > 0, rows[-1]
+    assert "idle CPU" in r.stdout and "load CPU" in r.stdout
     if importlib.util.find_spec("nixl") is None:
         assert "pip install nixl" in r.stdout and rows[-1]["nixl_baseline"] is None
     else:  # cma meets NIXL on its own wire: NIXL with CMA, not vLLM's documented TCP-only setting

@@ -16,6 +16,10 @@ the output. Reported per connector:
   cma plane makes) and over TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp
   plane). Each kvxfer row is compared with its own (column ``vs``): cma with ``nixl-cma``, tcp
   with ``nixl-tcp``, ucx with ``nixl``; with ``nixl`` when its own did not run.
+- the CPU each pair spends: cores used by both servers' processes (vLLM's and kvxfer's agents)
+  for a few seconds with no request (``idle CPU``), and over the measured requests (``load
+  CPU``). A connector can buy transfer time with CPU: NixlConnector's UCX progress thread polls
+  without sleeping in each vLLM worker, idle or not.
 
 With ``--busy-decode N`` each connector's measured requests run twice on the same servers: first
 with the decode server otherwise idle, then while N other requests keep it decoding (each a short
@@ -52,6 +56,8 @@ from kvxfer.integrations.vllm_pd import (
 )
 from kvxfer.progress import Progress
 
+from .session_cpu import CpuWindow
+
 CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
 # kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
@@ -70,6 +76,9 @@ def baseline_of(connector: str, ran: set[str]) -> str | None:
 REQUEST_TIMEOUT_S = 300.0
 BUSY_PROMPT_TOKENS = 32  # a background request's prompt: short, so it is decoding nearly all its life
 BUSY_SETTLE_S = 1.0
+# seconds after the warm-up with no request anywhere: the pair's idle CPU (column 'idle CPU')
+IDLE_CPU_S = 3.0
+IDLE_SETTLE_S = 2.0
 
 
 def _stream_first_token(url: str, body: dict[str, Any]) -> tuple[float, float]:
@@ -194,8 +203,15 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
               + (f" ({len(busy_prompts)} while {busy_decode} others decode)" if busy_decode else ""), file=sys.stderr)
         bar = Progress(len(prompts) + (len(busy_prompts) if busy_decode else 0), "requests")
         _phase(p, d, prompts[:warmup], output, metrics_url, hist, failed_key, bar, 0)
+        sessions = (p.proc.pid, d.proc.pid)
+        time.sleep(IDLE_SETTLE_S)  # the warm-up's tail: its blocks released on both sides
+        idle = CpuWindow(sessions).start()
+        time.sleep(IDLE_CPU_S)  # no request anywhere: what the pair spends waiting for one
+        idle_cores = idle.cores()
+        window = CpuWindow(sessions).start()
         row: dict[str, Any] = {"connector": connector, **_phase(p, d, prompts[warmup:], output, metrics_url, hist,
                                                                  failed_key, bar, warmup)}
+        row.update(idle_cores=idle_cores, phase_cores=window.cores())
         if busy_decode:
             with BusyDecode(d.url, busy_decode, busy_output, seed=len(prompts)) as busy:
                 time.sleep(BUSY_SETTLE_S)  # the background requests are admitted and decoding
@@ -227,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(1 to {MAX_NUM_SEQS - 1}; 0: idle only)")
     ap.add_argument("--busy-output", type=int, default=128, help="tokens each background request decodes")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH")
-    ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="PNG: TTFT and transfer time per connector")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                    help="PNG: TTFT, transfer time and CPU per connector")
     args = ap.parse_args(argv)
     if not 0 <= args.busy_decode < MAX_NUM_SEQS:
         ap.error(f"--busy-decode: expected 0 to {MAX_NUM_SEQS - 1} (the servers run {MAX_NUM_SEQS} sequences at "
@@ -301,7 +318,7 @@ def _ratio(x: float | None) -> str:
 def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     busy = any("busy" in r for r in rows)
     header = (f"{'connector':<12} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
-              f"{'xfer/NIXL':>10} {'failed':>6}")
+              f"{'xfer/NIXL':>10} {'failed':>6} {'idle CPU':>8} {'load CPU':>8}")
     if busy:
         header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'failed':>6}"
     print(header)
@@ -310,7 +327,8 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
         line = (f"{r['connector']:<12} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
                 f"{r['ttft_p90_ms']:7.1f} ms "
                 f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
-                f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6}")
+                f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6} {r['idle_cores']:8.2f} "
+                f"{r['phase_cores']:8.2f}")
         if "busy" in r:
             b = r["busy"]
             line += (f" | {b['transfer_mean_ms']:7.2f} ms {_ratio(b['transfer_busy_over_idle'])} "
@@ -326,6 +344,9 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
         print("busy: the same number of requests again while other requests keep the decode server decoding "
               "(background requests completed: "
               + ", ".join(f"{r['connector']} {r['busy']['background_done']}" for r in rows if "busy" in r) + ")")
+    print(f"idle CPU: cores both servers' processes used (vLLM's and kvxfer's agents) over {IDLE_CPU_S:g} s with no "
+          f"request, {IDLE_SETTLE_S:g} s after the warm-up; load CPU: the same over the idle phase's requests "
+          "(prefill and decode compute included)")
     if not with_nixl:
         print("(no NixlConnector row in this run: no ratios)")
 
@@ -339,7 +360,7 @@ def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
 
     names = [r["connector"] for r in rows]
     busy = all("busy" in r for r in rows)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11 if busy else 10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15 if busy else 14, 4))
     x = np.arange(len(names))
     w = 0.4 if busy else 0.8
     for ax, key, what in ((a, "ttft_p50_ms", "time to first token, p50 (ms)"),
@@ -357,6 +378,15 @@ def _plot(rows: list[dict[str, Any]], path: Path, prompt_tokens: int) -> None:
             ax.set_yscale("log")
         ax.set_ylabel(what)
         ax.grid(True, axis="y", alpha=0.3)
+    if all("idle_cores" in r for r in rows):  # what each pair spends for its transfer times
+        bars = c.bar(x - 0.2, [r["idle_cores"] for r in rows], 0.4, color="#bbb", label="no request (idle CPU)")
+        c.bar_label(bars, fmt="%.2f", fontsize=8)
+        bars = c.bar(x + 0.2, [r["phase_cores"] for r in rows], 0.4, color="#555", label="during the requests")
+        c.bar_label(bars, fmt="%.2f", fontsize=8)
+        c.set_xticks(x, names)
+        c.set_ylabel("cores used by both servers")
+        c.legend(fontsize=8)
+        c.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"vLLM 1P1D, {prompt_tokens}-token prompts: NixlConnector (grey) vs KvxferConnector", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
