@@ -11,12 +11,14 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
 from kvxfer.connectors.ucx.rma import Getter, RemoteKey, UcxRmaError, map_region
+from kvxfer.connectors.ucx.rma_progress import AdaptiveRmaProgress
 from kvxfer.connectors.ucx.runtime import RMA_EPOLL_TIMEOUT_MS
 
 SIZE = 8 << 20
@@ -32,7 +34,17 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _producer(conn: Any) -> None:
+def _serve(worker: Any, adaptive: bool) -> Callable[[], None]:
+    """Progress ``worker`` as a plane's producer does (adaptive: as in a transfer agent); returns the stop."""
+    if adaptive:
+        progress = AdaptiveRmaProgress(wake_s=RMA_EPOLL_TIMEOUT_MS / 1000)
+        progress.add(worker)
+        return progress.stop
+    worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)
+    return worker.stop_progress_thread  # type: ignore[no-any-return]
+
+
+def _producer(conn: Any, adaptive: bool) -> None:
     os.environ["UCX_TLS"] = TLS
     from ucxx._lib import libucxx as ux
 
@@ -40,7 +52,7 @@ def _producer(conn: Any) -> None:
     worker = ux.UCXWorker(ctx)
     cache = _content()
     key = map_region(ctx.handle, cache.ctypes.data, SIZE)
-    worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)  # as the plane does
+    stop = _serve(worker, adaptive)
     spinning = threading.Event()
     spinning.set()
 
@@ -57,16 +69,16 @@ def _producer(conn: Any) -> None:
         time.sleep(2.0)
         conn.send((_cpu() - c0) / (time.monotonic() - t0))
         conn.poll(60)
-    worker.stop_progress_thread()
+    stop()
     key.close()
 
 
-@pytest.fixture
-def producer(monkeypatch: pytest.MonkeyPatch) -> Any:
+@pytest.fixture(params=["native", "adaptive"])
+def producer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("UCX_TLS", TLS)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_producer, args=(theirs,), daemon=True)
+    proc = ctx.Process(target=_producer, args=(theirs, request.param == "adaptive"), daemon=True)
     proc.start()
     assert ours.poll(120), "the producer did not start"
     yield ours, *ours.recv()
@@ -123,14 +135,15 @@ def test_gets_deliver_the_producers_bytes_while_its_python_spins_and_cost_nothin
     _close(ep)
 
 
-def test_a_producer_killed_mid_read_fails_the_flush_as_a_lost_peer() -> None:
+@pytest.mark.parametrize("adaptive", [False, True], ids=["native", "adaptive"])
+def test_a_producer_killed_mid_read_fails_the_flush_as_a_lost_peer(adaptive: bool) -> None:
     """512 MiB of gets in flight to a producer that is stopped (SIGSTOP: none is served), then
     SIGKILLed: the flush fails (a ConnectionError with UCX's negative status), it does not report
     the read done, and nothing landed. (Killing it once bytes land races its native thread, which
     can serve all 512 MiB before the kill.)"""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_big_producer, args=(theirs,), daemon=True)
+    proc = ctx.Process(target=_big_producer, args=(theirs, adaptive), daemon=True)
     proc.start()
     try:
         assert ours.poll(120), "the producer did not start"
@@ -166,7 +179,7 @@ def test_a_producer_killed_mid_read_fails_the_flush_as_a_lost_peer() -> None:
 BIG = 512 << 20
 
 
-def _big_producer(conn: Any) -> None:
+def _big_producer(conn: Any, adaptive: bool) -> None:
     os.environ["UCX_TLS"] = TLS
     from ucxx._lib import libucxx as ux
 
@@ -174,7 +187,7 @@ def _big_producer(conn: Any) -> None:
     worker = ux.UCXWorker(ctx)
     cache = np.ones(BIG, dtype=np.uint8)
     key = map_region(ctx.handle, cache.ctypes.data, BIG)
-    worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)  # as the plane does
+    _serve(worker, adaptive)
     conn.send((worker.address.tobytes(), key.rkey, cache.ctypes.data))
     time.sleep(120)
 

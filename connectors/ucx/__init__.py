@@ -66,7 +66,10 @@ Options (``connector.data_plane``): ``progress_mode`` (blocking, polling, thread
 ``chunk_bytes`` (default 1 MiB), ``inflight`` (messages in flight per direct batch,
 default 16: 512 MiB as 64 x 8 MiB measured 0.82x raw one-message with 1 in flight, 0.88x
 with 4, 1.03x with 16, 0.66x with 64), ``timeout_s`` (per batch), ``host`` (where the control
-socket listens; default the side channel's host).
+socket listens; default the side channel's host), ``reads`` (one-sided or two-sided),
+``rma_progress`` (how a producer's RMA workers are progressed: ``native``, ucxx's thread, no
+GIL; ``adaptive``, a Python thread that polls for 1 ms after each event; ``auto``, the default:
+adaptive in a transfer agent, native in an engine's process; see rma_progress.py).
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ logger = logging.getLogger(__name__)
 # RDMA included, stays. Measured here: 12.0 GB/s for one 512 MiB message with this set.
 DEFAULT_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"
 MAX_MERGED_PIECES = 1 << 14  # pieces of the staged reads that go to a producer as one request
-OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host", "reads"}
+OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host", "reads",
+           "rma_progress"}
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,14 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         if reads not in ("one-sided", "two-sided"):
             raise ValueError(f"connector.data_plane.reads: expected one-sided or two-sided, got {reads!r}")
         self.one_sided = reads == "one-sided"
+        rma_progress = str(o.get("rma_progress", "auto"))
+        if rma_progress not in ("auto", "native", "adaptive"):
+            raise ValueError(f"connector.data_plane.rma_progress: expected auto, native or adaptive, "
+                             f"got {rma_progress!r}")
+        from kvxfer.agent.server import in_agent  # here: the agent's modules import the planes' registry
+
+        # auto: adaptive in a transfer agent (its Python is kvxfer's), native in an engine's process
+        self.rma_adaptive = rma_progress == "adaptive" or (rma_progress == "auto" and in_agent())
         for name, v in (("chunk_bytes", self.chunk_bytes), ("inflight", self.inflight),
                         ("timeout_s", self.timeout_s)):
             if v <= 0:

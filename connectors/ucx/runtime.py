@@ -20,6 +20,8 @@ from typing import Any
 
 from kvxfer.supervise import report
 
+from .rma_progress import AdaptiveRmaProgress
+
 logger = logging.getLogger(__name__)
 
 
@@ -87,7 +89,9 @@ class UcxRuntime:
         self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
         self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
         self._retired: list[Any] = []  # receive workers no longer progressed, kept until their reads unwound
-        self._rma_workers: set[Any] = set()  # serving other processes' one-sided reads (new_rma_worker; _lock)
+        # serving other processes' one-sided reads: worker -> progressed adaptively (new_rma_worker; _lock)
+        self._rma_workers: dict[Any, bool] = {}
+        self._adaptive: AdaptiveRmaProgress | None = None  # made for the first adaptive RMA worker (_lock)
         atexit.register(self._stop_rma_workers)
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
@@ -157,20 +161,31 @@ class UcxRuntime:
         """The process's ``ucp_context_h`` (regions are mapped for one-sided reads on it)."""
         return int(self._context().handle)
 
-    def new_rma_worker(self) -> Any:
+    def new_rma_worker(self, adaptive: bool = False) -> Any:
         """A worker that serves one consumer's one-sided reads of this process's memory: its own,
-        with ucxx's native progress thread in blocking mode, so a get that UCX emulates (no RDMA,
-        no CMA) is answered without this process's GIL. Idle, the thread sleeps in epoll, waking
-        every RMA_EPOLL_TIMEOUT_MS (tests/test_ucx_rma.py measures its cost). One per consumer,
-        because a consumer killed while writing a get into a worker's shared-memory FIFO leaves a
-        slot claimed and never filled, and every later get to that worker waits behind it
-        (tests/test_faults.py's kill case)."""
+        so a get that UCX emulates (no RDMA, no CMA) is answered without the plane's loop. One per
+        consumer, because a consumer killed while writing a get into a worker's shared-memory FIFO
+        leaves a slot claimed and never filled, and every later get to that worker waits behind
+        it (tests/test_faults.py's kill case).
+
+        Progressed by ucxx's native thread in blocking mode (no GIL needed: for an engine's own
+        process), waking every RMA_EPOLL_TIMEOUT_MS at rest; or, ``adaptive`` (a transfer agent,
+        whose Python is kvxfer's), by the process's AdaptiveRmaProgress thread, which polls for
+        RMA_HOT_S after each event instead of sleeping between FIFO refills (rma_progress.py says
+        why). tests/test_ucx_rma.py measures both at rest."""
         from ucxx._lib import libucxx
 
         worker = libucxx.UCXWorker(self._context(), enable_delayed_submission=False, enable_python_future=False)
-        worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)
+        if adaptive:
+            with self._lock:
+                if self._adaptive is None:
+                    self._adaptive = AdaptiveRmaProgress(wake_s=RMA_EPOLL_TIMEOUT_MS / 1000)
+                progress = self._adaptive
+            progress.add(worker)
+        else:
+            worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)
         with self._lock:
-            self._rma_workers.add(worker)
+            self._rma_workers[worker] = adaptive
         return worker
 
     def stop_rma_worker(self, worker: Any) -> None:
@@ -180,17 +195,26 @@ class UcxRuntime:
         with self._lock:
             if worker not in self._rma_workers:
                 return
-            self._rma_workers.discard(worker)
+            adaptive = self._rma_workers.pop(worker)
+            progress = self._adaptive
         try:
-            worker.stop_progress_thread()
+            if adaptive:
+                if progress is not None:
+                    progress.remove(worker)
+            else:
+                worker.stop_progress_thread()
         except Exception as e:
             logger.debug("ucx: stopping an RMA worker: %s", e)
 
-    def _stop_rma_workers(self) -> None:  # at exit: no native thread may outlive the interpreter's UCX
+    def _stop_rma_workers(self) -> None:  # at exit: no progress thread may outlive the interpreter's UCX
         with self._lock:
             workers = list(self._rma_workers)
         for worker in workers:
             self.stop_rma_worker(worker)
+        with self._lock:
+            progress, self._adaptive = self._adaptive, None
+        if progress is not None:
+            progress.stop()
 
     def retire_receive_worker(self, ctx: Any, endpoints: list[Any], keep_s: float,
                               on_free: Callable[[], None] | None = None) -> None:

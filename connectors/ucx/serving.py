@@ -54,6 +54,7 @@ class Serving:
     _client_names: dict[tuple[bytes, int], str]
     _refused: set[tuple[str, str]]
     _send_staging: StagingPool
+    rma_adaptive: bool
     _rma_workers: dict[bytes, Any]  # consumer session -> the RMA worker serving its gets, oldest first (loop thread)
 
     def _address_space(self) -> AddressSpace:
@@ -128,7 +129,7 @@ class Serving:
             logger.warning("ucx plane %d: %d consumers read one-sided; the oldest one's RMA worker is stopped",
                            self.plane_id, len(self._rma_workers))
             self._stop_rma(oldest)
-        worker = self.rt.new_rma_worker()
+        worker = self.rt.new_rma_worker(adaptive=self.rma_adaptive)
         self._rma_workers[hello.session] = worker
         return HelloAck(hello.hello_id, rma=bytes(worker.address.tobytes()))
 

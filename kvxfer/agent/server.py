@@ -335,8 +335,20 @@ class Agent:
                 self._stop.wait(EVENT_WAIT_S)
 
 
+_IN_AGENT = False  # set by main: this process is a transfer agent
+
+
+def in_agent() -> bool:
+    """Whether this process is a transfer agent, whose only Python is kvxfer's (planes may then
+    spend its GIL on progress threads an engine's process could not give them)."""
+    return _IN_AGENT
+
+
 def main(argv: list[str]) -> int:
     import socket
+
+    global _IN_AGENT
+    _IN_AGENT = True
 
     if len(argv) != 2:
         print("usage: python -m kvxfer.agent COMMAND_FD EVENT_FD (started by the engine's connector)", file=sys.stderr)
@@ -347,4 +359,4 @@ def main(argv: list[str]) -> int:
     return Agent(commands, events).run()
 
 
-__all__ = ["Agent", "Event", "main"]
+__all__ = ["Agent", "Event", "in_agent", "main"]

@@ -58,10 +58,12 @@ from kvxfer.progress import Progress
 
 from .session_cpu import CpuWindow
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-ucx-native",
+              "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
 # kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
-KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"})}
+KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
+                 "kvxfer-ucx-native": ("ucx", {"rma_progress": "native"})}
 # UCX_TLS of each NixlConnector variant
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
 SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="model folder (default: a random-weight Llama, 8 layers, 8 KV heads of 64, written here)")
     ap.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
-                    help="kvxfer-ucx-2s: the ucx plane with reads: two-sided (not in the default set)")
+                    help="kvxfer-ucx-2s: the ucx plane with reads: two-sided; kvxfer-ucx-native: with "
+                         "rma_progress: native (neither in the default set)")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=8, help="measured requests per connector")
     ap.add_argument("--warmup", type=int, default=2)
@@ -317,14 +320,15 @@ def _ratio(x: float | None) -> str:
 
 def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     busy = any("busy" in r for r in rows)
-    header = (f"{'connector':<12} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
+    w = max([12, *(len(r["connector"]) for r in rows)])
+    header = (f"{'connector':<{w}} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
               f"{'xfer/NIXL':>10} {'failed':>6} {'idle CPU':>8} {'load CPU':>8}")
     if busy:
         header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'failed':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        line = (f"{r['connector']:<12} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
+        line = (f"{r['connector']:<{w}} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
                 f"{r['ttft_p90_ms']:7.1f} ms "
                 f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
                 f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6} {r['idle_cores']:8.2f} "
@@ -338,7 +342,7 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
         for phase, ph in (("idle", r), ("busy", r.get("busy"))):
             st = ph and ph.get("stages_us")
             if st:
-                print(f"{r['connector']:<12} {phase} stages, us per load: " + ", ".join(f"{k} {v:.0f}"
+                print(f"{r['connector']:<{w}} {phase} stages, us per load: " + ", ".join(f"{k} {v:.0f}"
                                                                                       for k, v in st.items()))
     if busy:
         print("busy: the same number of requests again while other requests keep the decode server decoding "
