@@ -136,6 +136,21 @@ def test_the_ucx_rma_script_checks_bytes_in_every_mode_and_producer_state(tmp_pa
     assert bad.returncode == 2 and "--blocks: each must be 1-64, got [65]" in bad.stderr
 
 
+def test_the_rma_progress_script_checks_bytes_for_each_progress_mode_idle_and_beside_spinners(tmp_path: Path) -> None:
+    out = tmp_path / "rma_progress.json"
+    script = str(REPO / "benchmarks" / "rma_progress.py")
+    r = subprocess.run([sys.executable, script, "--mib", "1", "--reps", "2", "--spinners", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["mode"], x["spinners"]) for x in rows} == {(m, s) for m in ("memcpy", "native", "adaptive")
+                                                          for s in (0, 1)}
+    assert all(x["bytes"] == 1 << 20 and x["reps"] == 2 and 0 < x["p50_ms"] <= x["max_ms"] for x in rows)
+    assert "x memcpy" in r.stdout
+    bad = subprocess.run([sys.executable, script, "--reps", "0"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "must be at least 1" in bad.stderr
+
+
 def test_bench_e2e_compares_with_a_monolithic_instance(tmp_path: Path) -> None:
     """Two rounds on fresh instances, pooled: both rounds' requests count."""
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
