@@ -198,3 +198,24 @@ def test_a_region_of_no_bytes_is_refused() -> None:
     ctx = ux.UCXContext()
     with pytest.raises(ValueError, match="positive length"):
         map_region(ctx.handle, 4096, 0)
+
+
+def test_the_adaptive_progress_thread_sleeps_with_no_worker_and_stops() -> None:
+    """With no RMA worker, and again after one was added and removed, the thread sleeps (it does not
+    poll on: under 5% of a core); ``stop`` ends it."""
+    from ucxx._lib import libucxx as ux
+
+    progress = AdaptiveRmaProgress(wake_s=RMA_EPOLL_TIMEOUT_MS / 1000)
+    worker = ux.UCXWorker(ux.UCXContext())
+    try:
+        for step in ("empty", "after a worker came and went"):
+            time.sleep(0.2)
+            c0 = _cpu()
+            time.sleep(1.0)
+            assert _cpu() - c0 < 0.05, f"{step}: the thread used CPU with no worker to progress"
+            progress.add(worker)
+            time.sleep(0.05)
+            progress.remove(worker)
+    finally:
+        progress.stop()
+    assert not progress.thread.is_alive()

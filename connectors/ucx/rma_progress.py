@@ -91,7 +91,10 @@ class AdaptiveRmaProgress:
                     if not all(w.arm() for w in self._workers):
                         continue  # events came meanwhile: progress them first
                     fds = list(self._workers.values())
-                ready, _, _ = select.select([self._wake_r, *fds], [], [], self.wake_s)
+                try:  # no worker: asleep until one is added
+                    ready, _, _ = select.select([self._wake_r, *fds], [], [], self.wake_s if fds else None)
+                except OSError:  # a worker removed meanwhile closed its fd: the next pass goes without it
+                    continue
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
                 if ready:  # an event: poll hot again (a timed-out sleep stays cold)
