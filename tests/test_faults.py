@@ -32,7 +32,7 @@ BIG = 32 * 1024  # tokens: 256 MiB at head size 64, so a signal lands while byte
 HANDSHAKE_S, RETRIES, TRANSFER_S, LEASE_S = 1.0, 1, 4.0, 3.0
 
 
-@pytest.fixture(params=["tcp", "ucx", "tcp+agent"])
+@pytest.fixture(params=["tcp", "ucx", "tcp+agent", "ucx+agent"])
 def conn(request: pytest.FixtureRequest) -> str:
     """A plane, and with +agent both sides' data paths in transfer agents. A killed rank's agent
     exits with it (its engine's end of the channel closes); a stalled rank is stopped with its

@@ -48,6 +48,8 @@ class AdaptiveRmaProgress:
         os.set_blocking(self._wake_w, False)
         self.thread = threading.Thread(target=self._run, name="kvxfer-ucx-rma", daemon=True)
         self.thread.start()
+        logger.debug("ucx: RMA workers progressed by thread %s, polling %g ms after each event", self.thread.name,
+                     hot_s * 1e3)
 
     def add(self, worker: Any) -> None:
         worker.init_blocking_progress_mode()
@@ -75,6 +77,7 @@ class AdaptiveRmaProgress:
 
     def _run(self) -> None:
         last = time.monotonic()
+        unarmed = 0  # passes in a row that found a worker it could not arm, and nothing to progress
         while True:
             try:
                 with self._lock:
@@ -83,16 +86,21 @@ class AdaptiveRmaProgress:
                     busy = sum(bool(w.progress_once()) for w in self._workers)
                 now = time.monotonic()
                 if busy:
-                    last = now
+                    last, unarmed = now, 0
                     continue
                 if now - last < self.hot_s:
                     continue
                 with self._lock:  # armed: an event after this wakes the select
-                    if not all(w.arm() for w in self._workers):
-                        continue  # events came meanwhile: progress them first
+                    armed = all([w.arm() for w in self._workers])
                     fds = list(self._workers.values())
-                try:  # no worker: asleep until one is added
-                    ready, _, _ = select.select([self._wake_r, *fds], [], [], self.wake_s if fds else None)
+                unarmed = 0 if armed else unarmed + 1
+                if unarmed == 1:
+                    continue  # events came since the pass: progress them at once
+                # a worker that stays unarmable (a FIFO slot a killed consumer claimed and never
+                # filled) gets short naps, not a spin; with no worker, sleep until one comes
+                timeout = (self.wake_s if fds else None) if armed else self.hot_s
+                try:
+                    ready, _, _ = select.select([self._wake_r, *fds], [], [], timeout)
                 except OSError:  # a worker removed meanwhile closed its fd: the next pass goes without it
                     continue
                 if self._wake_r in ready:

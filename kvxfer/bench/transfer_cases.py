@@ -43,7 +43,8 @@ class Conn(Protocol):
 
 
 # connector rows that are a plane with options, not its defaults: name -> (plane, connector.data_plane)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"ucx-2s": ("ucx", {"reads": "two-sided"})}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"ucx-2s": ("ucx", {"reads": "two-sided"}),
+                                                   "ucx-native": ("ucx", {"rma_progress": "native"})}
 
 
 def plane_of(connector: str) -> str:
