@@ -279,6 +279,8 @@ def test_a_bench_variant_row_runs_its_plane_with_the_variants_options() -> None:
     assert cfg.engine_id == "bench-decode-ucx-2s" and plane_of("ucx-2s") == "ucx" and plane_of("tcp") == "tcp"
     plain = make_cfg("decode", "ucx", 8)
     assert (plain.connector.name, dict(plain.connector.data_plane)) == ("ucx", {})
+    native = make_cfg("prefill", "ucx-native", 8)  # the producer's RMA workers on ucxx's native threads
+    assert (native.connector.name, dict(native.connector.data_plane)) == ("ucx", {"rma_progress": "native"})
 
 
 _BURN = """
