@@ -59,7 +59,7 @@ def _producer(conn: Any, mode: str, size: int) -> None:
     os._exit(0)  # the progress threads go with the process
 
 
-def measure(mode: str, spinners: int, size: int, gets: int, reps: int) -> dict[str, Any]:
+def measure(mode: str, spinners: int, size: int, gets: int, reps: int, gap_s: float) -> dict[str, Any]:
     """One producer process progressed as ``mode``, this process reading from it."""
     ctx = mp.get_context("spawn")
     spins = [ctx.Process(target=_spinner, args=(i % os.cpu_count(),), daemon=True)  # type: ignore[operator]
@@ -102,7 +102,7 @@ def measure(mode: str, spinners: int, size: int, gets: int, reps: int) -> dict[s
                               np.full(gets, piece, dtype=np.uint64))
             wait(getter.flush())
             times.append(time.perf_counter() - t)
-            time.sleep(0.02)  # spaced, as loads are: the producer's thread goes back to sleep between them
+            time.sleep(gap_s)  # spaced, as loads are: the producer's thread goes back to sleep between them
         want = np.arange(size // 8, dtype=np.uint64).view(np.uint8)
         if not np.array_equal(local, want):
             raise AssertionError(f"{mode}: the bytes that arrived differ from the producer's")
@@ -115,7 +115,7 @@ def measure(mode: str, spinners: int, size: int, gets: int, reps: int) -> dict[s
             p.join(10)
 
 
-def memcpy(spinners: int, size: int, reps: int) -> dict[str, Any]:
+def memcpy(spinners: int, size: int, reps: int, gap_s: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     spins = [ctx.Process(target=_spinner, args=(i % os.cpu_count(),), daemon=True)  # type: ignore[operator]
              for i in range(spinners)]
@@ -129,7 +129,7 @@ def memcpy(spinners: int, size: int, reps: int) -> dict[str, Any]:
             t = time.perf_counter()
             np.copyto(dst, src)
             times.append(time.perf_counter() - t)
-            time.sleep(0.02)
+            time.sleep(gap_s)
         return _row("memcpy", spinners, size, times)
     finally:
         for s in spins:
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=16, help="bytes per read, in MiB")
     ap.add_argument("--gets", type=int, default=8, help="gets per read (pieces of equal size)")
     ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--gap-ms", type=float, default=50.0, help="pause between reads (the CPUs go idle meanwhile)")
     ap.add_argument("--spinners", type=int, default=os.cpu_count() or 2,
                     help="spinning processes in the busy rows (default: one per CPU)")
     ap.add_argument("--json", type=Path, default=None)
@@ -158,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     size = args.mib << 20
     rows = []
     for spinners in (0, args.spinners):
-        rows.append(memcpy(spinners, size, args.reps))
+        rows.append(memcpy(spinners, size, args.reps, args.gap_ms / 1e3))
         for mode in ("native", "adaptive"):
             print(f"{mode}, {spinners} spinners ...", file=sys.stderr, flush=True)
-            rows.append(measure(mode, spinners, size, args.gets, args.reps))
-    print(f"{args.mib} MiB as {args.gets} one-sided gets, {args.reps} reads spaced 20 ms, UCX_TLS={UCX_TLS}; "
-          "baseline memcpy in the same run")
+            rows.append(measure(mode, spinners, size, args.gets, args.reps, args.gap_ms / 1e3))
+    print(f"{args.mib} MiB as {args.gets} one-sided gets, {args.reps} reads spaced {args.gap_ms:g} ms, "
+          f"UCX_TLS={UCX_TLS}; baseline memcpy in the same run")
     print(f"{'progress':<10} {'other CPUs':<27} {'p50 ms':>8} {'p90 ms':>8} {'max ms':>8} {'GB/s p50':>9} "
           f"{'x memcpy':>9}")
     for r in rows:
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['gbps_p50']:9.2f} {r['ratio_to_memcpy']:9.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"mib": args.mib, "gets": args.gets, "reps": args.reps, "tls": UCX_TLS,
+        args.json.write_text(json.dumps({"mib": args.mib, "gets": args.gets, "reps": args.reps, "gap_ms": args.gap_ms,
+                                         "tls": UCX_TLS,
                                          "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -10,8 +10,9 @@ a core per worker for ever (what NixlConnector's progress thread costs: 1.6-1.7 
 vLLM pair at rest). Here one thread serves every RMA worker of the process: it polls while
 they make progress and for ``hot_s`` after the last event, then arms them and sleeps in
 ``select`` on their event fds, at most ``wake_s`` (ucxx's blocking progress can miss a wake-up;
-see runtime.RMA_EPOLL_TIMEOUT_MS). 16 MiB then took 2-3 ms p50, idle or busy; at rest the
-thread wakes every ``wake_s``.
+see runtime.RMA_EPOLL_TIMEOUT_MS); at rest the thread wakes every ``wake_s``. Measured
+(benchmarks/rma_progress.py, reads spaced 50 ms): beside busy CPUs 16 MiB took 2.5 ms p50
+against 4.9 native; with the CPUs idle 13 ms either way (not cured: see docs/benchmarks.md).
 
 It needs this process's GIL for each pass, so it is for agents, whose only Python is kvxfer's.
 In an engine's process (``data_path: engine``) the plane keeps ucxx's native thread, which
