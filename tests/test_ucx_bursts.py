@@ -310,13 +310,14 @@ def test_a_connect_whose_rma_wire_up_stalls_times_out_naming_that_step_and_retir
 
 
 def test_rma_progress_option_refuses_a_bad_value_and_is_native_outside_an_agent() -> None:
-    """``rma_progress: auto`` polls RMA workers from a Python thread only in a transfer agent; in an
-    engine's own process (this one) it keeps ucxx's native threads, which need no GIL."""
+    """The default is ucxx's native threads; ``auto`` polls RMA workers from a Python thread only in a
+    transfer agent, and in an engine's own process (this one) keeps native threads, which need no GIL."""
     with pytest.raises(ValueError, match=r"data_plane\.rma_progress: expected auto, native or adaptive, got 'fast'"):
         UcxDataPlane({"rma_progress": "fast"})
-    planes = [UcxDataPlane({}), UcxDataPlane({"rma_progress": "adaptive"}), UcxDataPlane({"rma_progress": "native"})]
+    planes = [UcxDataPlane({}), UcxDataPlane({"rma_progress": "adaptive"}), UcxDataPlane({"rma_progress": "native"}),
+              UcxDataPlane({"rma_progress": "auto"})]
     try:
-        assert [p.rma_adaptive for p in planes] == [False, True, False]
+        assert [p.rma_adaptive for p in planes] == [False, True, False, False]
     finally:
         for p in planes:
             p.close()

@@ -68,7 +68,7 @@ default 16: 512 MiB as 64 x 8 MiB measured 0.82x raw one-message with 1 in fligh
 with 4, 1.03x with 16, 0.66x with 64), ``timeout_s`` (per batch), ``host`` (where the control
 socket listens; default the side channel's host), ``reads`` (one-sided or two-sided),
 ``rma_progress`` (how a producer's RMA workers are progressed: ``native``, ucxx's thread, no
-GIL; ``adaptive``, a Python thread that polls for 1 ms after each event; ``auto``, the default:
+GIL, the default; ``adaptive``, a Python thread that polls for 1 ms after each event; ``auto``:
 adaptive in a transfer agent, native in an engine's process; see rma_progress.py).
 """
 
@@ -160,7 +160,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         if reads not in ("one-sided", "two-sided"):
             raise ValueError(f"connector.data_plane.reads: expected one-sided or two-sided, got {reads!r}")
         self.one_sided = reads == "one-sided"
-        rma_progress = str(o.get("rma_progress", "auto"))
+        rma_progress = str(o.get("rma_progress", "native"))  # adaptive lost the busy transfer bench
         if rma_progress not in ("auto", "native", "adaptive"):
             raise ValueError(f"connector.data_plane.rma_progress: expected auto, native or adaptive, "
                              f"got {rma_progress!r}")
