@@ -41,6 +41,7 @@ from kvxfer.protocol import (
     encode,
 )
 from kvxfer.supervise import describe, report, supervised_loop
+from kvxfer.threads import NamedThread
 from kvxfer.topology import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class SideChannelServer:
         self._responder = responder
         self._stop = threading.Event()
         self._refused: set[tuple[str, str]] = set()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = NamedThread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

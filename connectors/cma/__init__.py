@@ -73,6 +73,7 @@ from kvxfer.dataplane import (
 )
 from kvxfer.protocol import ErrorCode, ReadRequest, Refusal
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.threads import NamedThread
 from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
 
 from .copier import CopyHelpers, cut
@@ -166,7 +167,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         self._waiting: dict[int, Awaited] = {}  # batch id -> its awaited grant (the read thread's)
         self._wake_r, self._wake_w = os.pipe()  # a queued job wakes the read thread from its grant wait
         os.set_blocking(self._wake_w, False)
-        self._read_thread = threading.Thread(target=self._run, name="kvxfer-cma-reads", daemon=True)
+        self._read_thread = NamedThread(target=self._run, name="kvxfer-cma-reads", daemon=True)
         self._read_thread.start()
         # copies larger than inline_copy_bytes are cut in parts these threads help with (copier.py)
         self._helpers = CopyHelpers(self.copy_threads, _copy_part) if self.copy_threads else None

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvxfer.threads import NamedThread
+
 logger = logging.getLogger(__name__)
 
 CopyFn = Callable[[int, np.ndarray, np.ndarray, int], None]  # (pid, local [n, 2], remote [n, 2], nbytes)
@@ -97,7 +99,7 @@ class CopyHelpers:
         self._copy = copy
         self._offers: queue.SimpleQueue[SplitCopy | None] = queue.SimpleQueue()
         self._closed = False
-        self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._workers = [NamedThread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for t in self._workers:
             t.start()
 

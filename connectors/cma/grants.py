@@ -11,7 +11,6 @@ Threads: one, ``kvxfer-cma-grants``; it owns the ROUTER socket, ``_names`` and `
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import zmq
@@ -19,6 +18,7 @@ import zmq
 from kvxfer.handshake import serve_socket
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import describe, report
+from kvxfer.threads import NamedThread
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class GrantServer:
         self._ctrl.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self.address = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
-        self._thread = threading.Thread(target=self._serve, name="kvxfer-cma-grants", daemon=True)
+        self._thread = NamedThread(target=self._serve, name="kvxfer-cma-grants", daemon=True)
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:

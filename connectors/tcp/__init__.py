@@ -43,6 +43,7 @@ from kvxfer.dataplane import (
 )
 from kvxfer.protocol import DataHello, ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.threads import NamedThread
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class _Stream:
         self.resume: _Job | None = None
         self.handed_over = 0  # reads try_inline left to the thread (what a test looks at)
         self.closed = False
-        self.thread = threading.Thread(target=self._run, name=f"tcp-{peer_id}-{index}", daemon=True)
+        self.thread = NamedThread(target=self._run, name=f"tcp-{peer_id}-{index}", daemon=True)
         self.thread.start()
 
     def try_inline(self, job: _Job) -> bool:
@@ -377,7 +378,7 @@ class TcpDataPlane(HostRegionPlane):
                                 host_id=self.host_id)
         for srv in (self._tcp, self._unix):
             srv.settimeout(0.2)  # here, not in the thread: a plane closed at once has closed the socket
-            t = threading.Thread(target=self._accept_loop, args=(srv,), name="tcp-accept", daemon=True)
+            t = NamedThread(target=self._accept_loop, args=(srv,), name="tcp-accept", daemon=True)
             t.start()
             self._server_threads.append(t)
 
@@ -402,7 +403,7 @@ class TcpDataPlane(HostRegionPlane):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 with self._lock:
                     self._conns.add(conn)
-                threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+                NamedThread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
             except Exception as e:
                 report("tcp accept", e, "starting a connection's server")
                 with self._lock:

@@ -78,7 +78,6 @@ import asyncio
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -99,6 +98,7 @@ from kvxfer.dataplane import (
 )
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.threads import NamedThread
 
 from .connecting import Connecting, Peer, Receiver, RmaReads
 from .rma import MemoryKey, UcxRmaError, map_region
@@ -200,7 +200,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         self._ctrl.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         host = str(o.get("host", "127.0.0.1"))
         self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
-        self._ctrl_thread = threading.Thread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
+        self._ctrl_thread = NamedThread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
         self._ctrl_thread.start()
 
     # ------------------------------------------------------------------ registration

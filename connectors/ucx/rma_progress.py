@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from kvxfer.supervise import report
+from kvxfer.threads import NamedThread
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class AdaptiveRmaProgress:
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()  # add/remove/stop end a sleep at once
         os.set_blocking(self._wake_w, False)
-        self.thread = threading.Thread(target=self._run, name="kvxfer-ucx-rma", daemon=True)
+        self.thread = NamedThread(target=self._run, name="kvxfer-ucx-rma", daemon=True)
         self.thread.start()
         logger.debug("ucx: RMA workers progressed by thread %s, polling %g ms after each event", self.thread.name,
                      hot_s * 1e3)

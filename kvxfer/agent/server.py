@@ -60,6 +60,7 @@ from kvxfer.connector import Connector
 from kvxfer.metrics import Histogram
 from kvxfer.protocol import ErrorCode
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.threads import NamedThread
 from kvxfer.transfer.aggregator import Finished
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Agent:
             conn.consumer.caller_takes_done = True  # _flush_now sends what a load finished at once
             conn.consumer.worker_takes_done = self._flush_from_worker  # and the worker what it finished
         self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
-        notifier = threading.Thread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
+        notifier = NamedThread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
         unsent = False  # loads started since the last _flush_now
         cmd: Command | None = None

@@ -23,7 +23,6 @@ import ctypes.util
 import logging
 import mmap
 import os
-import threading
 import time
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from kvxfer.agent.messages import SharedTensor
 from kvxfer.cache.spec import KVCacheSpec
 from kvxfer.cache.tensors import KVCache
+from kvxfer.threads import NamedThread
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def map_cache(spec: KVCacheSpec, num_blocks: int, tensors: list[SharedTensor]) -
     cache = KVCache(spec=spec, num_blocks=num_blocks, tensors=views, names=[])
     cache._buffers = buffers
     if buffers:
-        threading.Thread(target=_populate_or_report, args=(buffers,), name="kvxfer-populate", daemon=True).start()
+        NamedThread(target=_populate_or_report, args=(buffers,), name="kvxfer-populate", daemon=True).start()
     return cache
 
 

@@ -36,6 +36,7 @@ from kvxfer.protocol import (
     RemoteRank,
 )
 from kvxfer.supervise import code_of, describe, report
+from kvxfer.threads import NamedThread
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.fast_path import FastPath
@@ -153,7 +154,7 @@ class Consumer(FastPath, PushReceiver):
         # per load. False or raising: waiters are woken as usual.
         self.worker_takes_done: Callable[[], bool] | None = None
         plane.set_completion_callback(self._wake)
-        self._worker = threading.Thread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
+        self._worker = NamedThread(target=self._run, name=f"kvxfer-consumer-{rank}", daemon=True)
         self._worker.start()
         self.notifier = Notifier(client, rank)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable
 
 from kvxfer.handshake import HandshakeError, SideChannelClient
@@ -27,6 +26,7 @@ from kvxfer.protocol import (
     RemoteRank,
 )
 from kvxfer.supervise import report
+from kvxfer.threads import NamedThread
 from kvxfer.transfer.load import Notice
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Notifier:
         self.client = client
         # SimpleQueue: a put is one C call (a load's done notice is queued on the fast path)
         self._queue: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"kvxfer-notify-{rank}", daemon=True)
+        self._thread = NamedThread(target=self._run, name=f"kvxfer-notify-{rank}", daemon=True)
         self._thread.start()
 
     def send(self, notice: Notice) -> None:

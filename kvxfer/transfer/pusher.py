@@ -23,6 +23,7 @@ import msgspec
 from kvxfer.handshake import HandshakeError, SideChannelClient
 from kvxfer.protocol import ErrorReply, LayersReady, PushTarget, RemoteRank
 from kvxfer.supervise import describe, report
+from kvxfer.threads import NamedThread
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
 
@@ -50,7 +51,7 @@ class Pusher:
         self._queued: set[str] = set()
         self._lock = threading.Lock()
         self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"kvxfer-push-{rank}", daemon=True)
+        self._thread = NamedThread(target=self._run, name=f"kvxfer-push-{rank}", daemon=True)
         self._thread.start()
 
     def notify(self, request_id: str) -> None:
