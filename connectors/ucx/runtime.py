@@ -14,11 +14,13 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
 from kvxfer.supervise import report
+from kvxfer.threads import NamedThread, name_native_thread, set_timer_slack, task_ids
 
 from .rma_progress import AdaptiveRmaProgress
 
@@ -45,6 +47,13 @@ def close_now(ep: Any) -> None:
 
 
 IDLE_TICK_S = 0.005
+# While a transfer is in flight and a pass over the workers found nothing, the loop thread naps
+# this long (its timer slack SPIN_SLACK_NS) instead of calling sched_yield: on an EEVDF kernel
+# (Linux 6.6+) each yield pushes the thread's deadline back by a slice, and a thread that yields
+# in a loop then runs after every other runnable thread (a probe beside two busy processes on its
+# core: one turn per 4 ms yielding, one per 115 us napping 50 us; docs/benchmarks.md, session 19).
+SPIN_NAP_S = 20e-6
+SPIN_SLACK_NS = 5000
 # An RMA worker's native progress thread sleeps in epoll at most this long. ucxx's blocking
 # progress can miss a wakeup, then sleep until UCX's keepalive round (20 s here) wakes it
 # (rapidsai/ucxx#15 "Wakeup may hang for 20 seconds", #68: ucxx's own async default is 1 ms).
@@ -95,13 +104,14 @@ class UcxRuntime:
         atexit.register(self._stop_rma_workers)
         self.loop = asyncio.new_event_loop()
         ready: Future[None] = Future()
-        self.thread = threading.Thread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
+        self.thread = NamedThread(target=self._run, args=(ready,), name="kvxfer-ucx", daemon=True)
         self.thread.start()
         ready.result(timeout=30)
         self.plane_ids = itertools.count(1)
 
     def _run(self, ready: Future[None]) -> None:
         asyncio.set_event_loop(self.loop)
+        set_timer_slack(SPIN_SLACK_NS)
         try:
             self.ucxx.init(progress_mode=self.progress_mode)
             self.own_progress = self.progress_mode == "blocking" and _own_progress(self.loop)
@@ -183,7 +193,11 @@ class UcxRuntime:
                 progress = self._adaptive
             progress.add(worker)
         else:
+            before = task_ids()
             worker.start_progress_thread(polling_mode=False, epoll_timeout=RMA_EPOLL_TIMEOUT_MS)
+            started = task_ids() - before
+            if len(started) == 1:  # ucxx's thread, named for traces (another thread starting meanwhile: left)
+                name_native_thread(started.pop(), "kvxfer-rma-nat")
         with self._lock:
             self._rma_workers[worker] = adaptive
         return worker
@@ -249,9 +263,9 @@ class UcxRuntime:
 
         Blocking progress waits for worker events between calls; large shared-memory
         rendezvous transfers then crawl (512 MiB: 3.3 GB/s against 9.6 with continuous
-        progress). Idle, the worker is progressed every IDLE_TICK_S (see _tick). Between turns
-        the spinning loop yields its core: on a host with few cores, a busy engine's thread and
-        the other side's loop would otherwise wait for the scheduler's next tick.
+        progress). Idle, the worker is progressed every IDLE_TICK_S (see _tick). While bytes
+        come in, the loop polls without pause; a pass that finds nothing naps SPIN_NAP_S, so a
+        busy engine's thread and the other side's loop get the core on a host with few cores.
         """
         self.transfers += 1
         if self.transfers == 1:
@@ -273,23 +287,28 @@ class UcxRuntime:
 
     async def _spin(self) -> None:
         while self.transfers > 0:
-            self._progress()
-            os.sched_yield()  # the core to another runnable thread (a busy engine's, the other side's loop)
+            if not self._progress():
+                time.sleep(SPIN_NAP_S)  # nothing came: the core to others for a moment
             await asyncio.sleep(0)
 
-    def _progress(self) -> None:
-        """Progress every worker; supervised: a worker whose progress raises is reported and
-        progressed again on the next turn (the transfers on it fail at their deadlines)."""
+    def _progress(self) -> bool:
+        """Progress every worker; whether a receive worker had anything. Supervised: a worker
+        whose progress raises is reported and progressed again on the next turn (the transfers
+        on it fail at their deadlines)."""
         try:
             if self.own_progress:
                 self.ucxx.progress()
         except Exception as e:
             report("ucx progress", e, "the main worker")
+        busy = False
         for worker in tuple(self.receive_workers):
             try:
-                worker.progress()
+                if worker.progress_once():
+                    busy = True
+                    worker.progress()
             except Exception as e:
                 report("ucx progress", e, "a receive worker")
+        return busy
 
     def broken(self) -> str | None:
         """Why the runtime cannot go on: its event-loop thread stopped (or the loop closed)."""
