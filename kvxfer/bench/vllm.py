@@ -59,11 +59,12 @@ from kvxfer.progress import Progress
 from .session_cpu import CpuWindow
 
 CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-ucx-native",
-              "kvxfer-cma")
+              "kvxfer-ucx-adaptive", "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
 # kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
 KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
-                 "kvxfer-ucx-native": ("ucx", {"rma_progress": "native"})}
+                 "kvxfer-ucx-native": ("ucx", {"rma_progress": "native"}),
+                 "kvxfer-ucx-adaptive": ("ucx", {"rma_progress": "adaptive"})}
 # UCX_TLS of each NixlConnector variant
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
 SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
