@@ -292,15 +292,18 @@ class UcxRuntime:
             await asyncio.sleep(0)
 
     def _progress(self) -> bool:
-        """Progress every worker; whether a receive worker had anything. Supervised: a worker
+        """Progress every worker; whether any had anything. Supervised: a worker
         whose progress raises is reported and progressed again on the next turn (the transfers
         on it fail at their deadlines)."""
+        busy = False
         try:
             if self.own_progress:
-                self.ucxx.progress()
+                main = self.ucxx.core._get_ctx().worker  # sends, two-sided reads' control
+                if main.progress_once():
+                    busy = True
+                    main.progress()
         except Exception as e:
             report("ucx progress", e, "the main worker")
-        busy = False
         for worker in tuple(self.receive_workers):
             try:
                 if worker.progress_once():
