@@ -246,23 +246,6 @@ def test_an_agent_exits_when_its_engine_dies() -> None:
     raise AssertionError("the agent outlived its engine")
 
 
-def test_an_agent_runs_in_a_session_of_its_own_with_named_threads() -> None:
-    """Where the kernel groups CPU by session (autogroup), an agent in its engine's session got a
-    sliver of a core beside another busy server; its threads carry kvxfer's names for traces."""
-    c, _ = make(cfg("decode", "ucx"))
-    try:
-        assert c.process is not None
-        pid = c.process.pid
-        assert os.getsid(pid) == pid != os.getsid(0)
-        names = set()
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                names.add(f.read().strip())
-        assert {"kvxfer-ucx", "kvxfer-ucx-cont"} <= names, names  # the plane's loop and control threads
-    finally:
-        c.close()
-
-
 def test_where_the_data_path_runs_is_chosen_by_config() -> None:
     c = Connector.from_config(cfg("decode", plane="local"))  # auto: local reaches only its own process
     assert isinstance(c, Connector)

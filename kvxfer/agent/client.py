@@ -177,15 +177,10 @@ class AgentConnector:
         env = dict(os.environ)
         env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # kvxfer and plugins as the engine finds them
-        # In a session of its own: where the kernel groups CPU time by session (autogroup, on by
-        # default on many distributions), an agent in its engine's session shares that group's
-        # weight, and on a core where another busy server runs it got a sliver of it: a vLLM
-        # pair on two cores had its agents' runnable threads wait 0.3-7 s in one load in three
-        # (docs/benchmarks.md, session 19). The agent still exits with its engine (server.py).
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno())],
-                pass_fds=fds, env=env, close_fds=True, start_new_session=True)
+                pass_fds=fds, env=env, close_fds=True)
         except OSError as e:
             self._teardown()
             unpin(cache)

@@ -3,10 +3,9 @@
 Why: a transfer library can buy latency with CPU (NixlConnector's UCX progress thread polls
 without sleeping in every vLLM worker, idle or not), so a fair comparison of transfer times
 shows what each side spends to get them. ``kvxfer bench vllm`` starts each server in a session
-of its own (``start_new_session``): its vLLM processes carry that session id, and kvxfer's
-agents (in sessions of their own) are counted as the processes those started. Linux only;
-threads are counted in their process's times; a process that exits inside a window loses its
-time since the window began (none does while a server serves).
+of its own (``start_new_session``): its vLLM processes and kvxfer's agents all carry that
+session id. Linux only; threads are counted in their process's times; a process that exits
+inside a window loses its time since the window began (none does while a server serves).
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
 def session_cpu_s(sid: int) -> float:
-    """User plus system CPU seconds of the live processes whose session id is ``sid`` and of
-    every process they started (a transfer agent runs in a session of its own)."""
-    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, CPU ticks)
+    """User plus system CPU seconds of the live processes whose session id is ``sid``."""
+    total = 0
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -32,15 +30,9 @@ def session_cpu_s(sid: int) -> float:
             continue
         # the command name is in parentheses and may hold spaces: fields count from after it
         fields = stat[stat.rindex(")") + 2 :].split()
-        # fields 4 and 6 (parent, session), 14 and 15 (utime, stime)
-        procs[int(d.name)] = (int(fields[1]), int(fields[3]), int(fields[11]) + int(fields[12]))
-    members = {pid for pid, (_, s, _) in procs.items() if s == sid}
-    grown = True
-    while grown:  # descendants, however deep
-        more = {pid for pid, (parent, _, _) in procs.items() if parent in members} - members
-        members |= more
-        grown = bool(more)
-    return sum(procs[pid][2] for pid in members) * _TICK_S
+        if int(fields[3]) == sid:  # field 6, session
+            total += int(fields[11]) + int(fields[12])  # fields 14 and 15, utime and stime
+    return total * _TICK_S
 
 
 @dataclass
