@@ -246,6 +246,20 @@ def test_an_agent_exits_when_its_engine_dies() -> None:
     raise AssertionError("the agent outlived its engine")
 
 
+def test_an_agents_threads_carry_their_names_into_the_kernel() -> None:
+    """For traces (`top -H`, `perf sched`): the agent's threads carry kvxfer's names."""
+    c, _ = make(cfg("decode", "ucx"))
+    try:
+        assert c.process is not None
+        names = set()
+        for tid in os.listdir(f"/proc/{c.process.pid}/task"):
+            with open(f"/proc/{c.process.pid}/task/{tid}/comm") as f:
+                names.add(f.read().strip())
+        assert {"kvxfer-ucx", "kvxfer-ucx-cont"} <= names, names  # the plane's loop and control threads
+    finally:
+        c.close()
+
+
 def test_where_the_data_path_runs_is_chosen_by_config() -> None:
     c = Connector.from_config(cfg("decode", plane="local"))  # auto: local reaches only its own process
     assert isinstance(c, Connector)
