@@ -96,6 +96,7 @@ class UcxRuntime:
         self.transfers = 0  # in flight; set before the loop thread's idle tick reads it
         self._spinner: asyncio.Future[None] | None = None
         self.own_progress = False  # whether kvxfer progresses the main worker (else ucxx's own task does)
+        self._main_worker: Any = None  # ucxx's worker for this process, set by the loop thread at start
         self.receive_workers: set[Any] = set()  # the planes' receive workers, progressed by _tick and _spin
         self._retired: list[Any] = []  # receive workers no longer progressed, kept until their reads unwound
         # serving other processes' one-sided reads: worker -> progressed adaptively (new_rma_worker; _lock)
@@ -114,6 +115,7 @@ class UcxRuntime:
         set_timer_slack(SPIN_SLACK_NS)
         try:
             self.ucxx.init(progress_mode=self.progress_mode)
+            self._main_worker = self.ucxx.core._get_ctx().worker  # sends, two-sided reads' control
             self.own_progress = self.progress_mode == "blocking" and _own_progress(self.loop)
             if not self.own_progress:
                 self.ucxx.continuous_ucx_progress(event_loop=self.loop)
@@ -298,7 +300,7 @@ class UcxRuntime:
         busy = False
         try:
             if self.own_progress:
-                main = self.ucxx.core._get_ctx().worker  # sends, two-sided reads' control
+                main = self._main_worker
                 if main.progress_once():
                     busy = True
                     main.progress()
