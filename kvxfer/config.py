@@ -284,6 +284,11 @@ class ConnectorConfig(Config, frozen=True):
     # wait for the engine's GIL), in the engine's process, or auto: the agent for every data
     # plane that works across processes (all but ``local``).
     data_path: Literal["auto", "agent", "engine"] = "auto"
+    # Which CPUs a transfer agent may run on: those of the engine thread that starts it, or any.
+    # ``engine`` by default: the kernel shares CPU between sessions first (autogroup), so an agent
+    # on another server's core gets its engine's small share there and waits behind that server
+    # (vLLM pair, ucx: 82 ms a 16 MiB load unpinned, 12 ms on its worker's core; docs/benchmarks.md).
+    agent_cpus: Literal["engine", "any"] = "engine"
     # A load of at most this many bytes (this rank's share), from producer ranks already known,
     # is planned and issued on the thread that calls start_load (the agent's, with a transfer
     # agent), and on cma copied there too: no hand-off to the worker thread. 0: every load goes

@@ -260,6 +260,49 @@ def test_an_agents_threads_carry_their_names_into_the_kernel() -> None:
         c.close()
 
 
+def _cpus_of(pid: int) -> dict[int, set[int]]:
+    """Every thread of ``pid``: the CPUs it may run on."""
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize("agent_cpus", ["engine", "any"])
+def test_an_agent_runs_on_its_engine_threads_cpus_without_its_openmp_binding(
+        agent_cpus: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU worker pins its thread and sets OpenMP's binding; its agent keeps that thread's CPUs
+    (``engine``: the share the kernel gives its engine's session is there) or takes any (``any``),
+    and never the binding, which would pin the agent's main thread to the first place."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    one = {max(allowed)}
+    monkeypatch.setenv("OMP_PLACES", f"{{{min(allowed)}}}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    c = cfg("decode", "ucx")
+    c = msgspec.structs.replace(c, connector=msgspec.structs.replace(c.connector, agent_cpus=agent_cpus))
+    started: list[EngineConnector] = []
+
+    def worker() -> None:  # as vLLM's worker thread: pinned, then registers its cache
+        os.sched_setaffinity(0, one)
+        started.append(make(c)[0])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert started, "the agent did not start"
+    conn = started[0]
+    try:
+        assert isinstance(conn, AgentConnector) and conn.process is not None
+        want = one if agent_cpus == "engine" else allowed
+        cpus = _cpus_of(conn.process.pid)
+        assert len(cpus) > 2 and all(m == want for m in cpus.values()), (want, cpus)
+        with open(f"/proc/{conn.process.pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        assert not any(v.startswith((b"OMP_PLACES=", b"OMP_PROC_BIND=")) for v in env)
+        assert os.sched_getaffinity(0) == allowed, "the engine's other threads keep their CPUs"
+    finally:
+        conn.close()
+
+
 def test_where_the_data_path_runs_is_chosen_by_config() -> None:
     c = Connector.from_config(cfg("decode", plane="local"))  # auto: local reaches only its own process
     assert isinstance(c, Connector)

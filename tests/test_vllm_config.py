@@ -4,7 +4,6 @@ the unit under test is kvxfer's mapping, not vLLM)."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,22 +223,3 @@ def test_an_fp8_cache_is_moved_as_its_float8_bytes() -> None:
     cache = KVCache(spec=spec, num_blocks=3, tensors=[raw.view(torch.float8_e5m2)], names=[])
     assert cache.tensors[0].data_ptr() == raw.data_ptr() and spec.bytes_per_block == 2 * 16 * 64
     assert torch.equal(cache.block_bytes(0, 1), raw[1].flatten())
-
-
-def test_the_transfer_agent_starts_unpinned_and_the_worker_keeps_its_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM pins a CPU worker (and sets OpenMP's binding); the agent it starts must not inherit that."""
-    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs sched_setaffinity and two CPUs")
-    mine = os.sched_getaffinity(0)
-    one = {min(mine)}
-    monkeypatch.setenv("OMP_PLACES", "{0}")
-    monkeypatch.setenv("OMP_PROC_BIND", "true")
-    os.sched_setaffinity(0, one)
-    try:
-        with vllm_adapter._spawning_unpinned():
-            assert os.sched_getaffinity(0) == mine, "a child started here may run on every CPU"
-            assert "OMP_PLACES" not in os.environ and "OMP_PROC_BIND" not in os.environ
-        assert os.sched_getaffinity(0) == one, "the worker keeps its own core"
-        assert os.environ["OMP_PLACES"] == "{0}" and os.environ["OMP_PROC_BIND"] == "true"
-    finally:
-        os.sched_setaffinity(0, mine)

@@ -5,7 +5,7 @@ from them): TP 2, PP 2 (two stages; vLLM 0.32's CPU build runs pipeline parallel
 ``--enforce-eager``) and TP 1. Every worker is pinned to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0|0``):
 vLLM's workers spin while a transfer is pending, and with spinning workers pinned to both cores
 the transfer agents waited seconds for a CPU (vLLM reserves cores for its engine and connector;
-here core 1 is that). Four directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
+here core 1 is that, and the agents run there: ``agent_cpus: any``). Four directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
 (vLLM counts it as external tokens, kvxfer's ranks receive exactly its blocks between them, no
 load fails), decode equals what the decode server computes on its own, token for token, and
 both pools end empty.
@@ -86,7 +86,9 @@ def servers(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -
     out: Servers = {}
     for name, (args, cpu, world, eager) in shapes.items():
         port = _free_port_pair()
-        cfg = {"connector": {"name": "tcp", "timeouts": TIMEOUTS}, "metrics_port": port}
+        # the agents go to core 1, the core this deployment keeps free of workers (agent_cpus: any);
+        # on their workers' core 0 they would queue behind three servers' spinning workers
+        cfg = {"connector": {"name": "tcp", "timeouts": TIMEOUTS, "agent_cpus": "any"}, "metrics_port": port}
         out[name] = Server(VllmServer(models[0], free_port(), "both", extra=cfg, dtype=DTYPE, cpu=cpu,
                                       log=logs / f"{name}.log", args=args, eager=eager), port, world)
     try:

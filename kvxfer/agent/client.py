@@ -78,6 +78,9 @@ COMMAND_S = 30.0  # an agent answers commands at once; this long without an answ
 # past a load's deadline the agent itself fails it; this much later, we do (kill it: hung). Generous: an
 # agent starved of CPU on a loaded host (seen with a load average of 50 on 2 cores) is late, not hung
 AGENT_GRACE_S = 15.0
+# an engine's OpenMP binding (vLLM's CPU workers set it): the agent's own OpenMP runtime would pin
+# the agent's main thread to the first place; the agent keeps the engine thread's CPU mask instead
+OPENMP_BINDING = frozenset({"OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"})
 MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
 
 
@@ -174,12 +177,13 @@ class AgentConnector:
         self._commands = Channel(engine_cmd, Reply)
         self._events = Channel(engine_evt, Event)
         fds = [agent_cmd.fileno(), agent_evt.fileno(), *(t.fd for t in shared)]
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING}
         env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # kvxfer and plugins as the engine finds them
         try:
+            any_cpu = ["--any-cpu"] if self.config.connector.agent_cpus == "any" else []
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno())],
+                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno()), *any_cpu],
                 pass_fds=fds, env=env, close_fds=True)
         except OSError as e:
             self._teardown()

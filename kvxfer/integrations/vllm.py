@@ -24,7 +24,6 @@ K rows then V rows per head: kvxfer's ``kv_fused`` HND layout.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -360,40 +359,6 @@ def _log_to_stderr() -> None:
         root.setLevel(level.upper())
 
 
-# what vLLM's CPU workers set to bind OpenMP (vllm.utils.ompmultiprocessing): a child's OpenMP
-# runtime would bind the child's own main thread to the worker's cores at start
-OMP_BINDING = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-
-
-@contextlib.contextmanager
-def _spawning_unpinned() -> Iterator[None]:
-    """While kvxfer starts this rank's transfer agent: it may run on every CPU, not only its worker's.
-
-    vLLM's CPU workers pin their thread to the cores of ``VLLM_CPU_OMP_THREADS_BIND`` and set
-    OpenMP's binding variables; a child inherits both, and its OpenMP runtime binds it again at
-    start. An agent pinned to its worker's cores waits behind the engine's busy loop (vLLM keeps
-    stepping while a transfer is pending): with a TP 2 server and its decode peer on two cores,
-    an agent's side channel went unanswered until the hold's lease ran out, and every load failed.
-    Unpinned, the kernel runs it where a core is free.
-    The worker's own mask and environment come back as soon as the agent has started.
-    """
-    getter, setter = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
-    saved_env = {k: os.environ.pop(k) for k in OMP_BINDING if k in os.environ}
-    mine = getter(0) if getter is not None else None
-    try:
-        if setter is not None and mine is not None:
-            try:
-                setter(0, range(os.cpu_count() or 1))  # the kernel keeps the CPUs this process's cpuset allows
-            except OSError as e:
-                mine = None
-                logger.warning("the transfer agent starts on its worker's CPUs (%s)", e)
-        yield
-    finally:
-        if setter is not None and mine is not None:
-            setter(0, mine)
-        os.environ.update(saved_env)
-
-
 def _params_of(request: Request) -> KVTransferParams | None:
     """The kvxfer params a decode request carries, or None; bad params are refused loudly."""
     p = request.kv_transfer_params
@@ -524,9 +489,9 @@ class KvxferConnector(KVConnectorBase_V1):
             raise ValueError(f"register_kv_caches: rank {rank} has layers {layers}, kvxfer's partition gives "
                              f"{list(spec.layers)}")
         cache = KVCache(spec=spec, num_blocks=first.shape[0], tensors=[by_layer[i] for i in layers], names=[])
-        with _spawning_unpinned():
-            self.connector = Connector.from_config(self.cfg, rank)
-            self.connector.register_kv_caches(cache)
+        # the agent runs on this worker's cores (connector.agent_cpus), without its OpenMP binding
+        self.connector = Connector.from_config(self.cfg, rank)
+        self.connector.register_kv_caches(cache)
         if self.settings.metrics_port is not None:
             port = self.settings.metrics_port + rank if self.settings.metrics_port else 0
             self.metrics_server = MetricsServer(self.settings.metrics_host, port)
