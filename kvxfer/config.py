@@ -284,11 +284,12 @@ class ConnectorConfig(Config, frozen=True):
     # wait for the engine's GIL), in the engine's process, or auto: the agent for every data
     # plane that works across processes (all but ``local``).
     data_path: Literal["auto", "agent", "engine"] = "auto"
-    # Which CPUs a transfer agent may run on: those of the engine thread that starts it, or any.
-    # ``engine`` by default: the kernel shares CPU between sessions first (autogroup), so an agent
-    # on another server's core gets its engine's small share there and waits behind that server
-    # (vLLM pair, ucx: 82 ms a 16 MiB load unpinned, 12 ms on its worker's core; docs/benchmarks.md).
-    agent_cpus: Literal["engine", "any"] = "engine"
+    # Which CPUs a transfer agent may run on: any this process may use, or only those of the
+    # engine thread that starts it (its worker's cores). ``engine`` suits servers on cores of their
+    # own where the kernel shares CPU by session (autogroup): elsewhere an agent gets its session's
+    # small share of another server's core. ``any`` suits cores left free of workers, and more
+    # spinning workers than cores (pinned there, agents starved). docs/vllm.md has the figures.
+    agent_cpus: Literal["any", "engine"] = "any"
     # A load of at most this many bytes (this rank's share), from producer ranks already known,
     # is planned and issued on the thread that calls start_load (the agent's, with a transfer
     # agent), and on cma copied there too: no hand-off to the worker thread. 0: every load goes

@@ -5,7 +5,8 @@ from them): TP 2, PP 2 (two stages; vLLM 0.32's CPU build runs pipeline parallel
 ``--enforce-eager``) and TP 1. Every worker is pinned to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0|0``):
 vLLM's workers spin while a transfer is pending, and with spinning workers pinned to both cores
 the transfer agents waited seconds for a CPU (vLLM reserves cores for its engine and connector;
-here core 1 is that, and the agents run there: ``agent_cpus: any``). Four directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
+here core 1 is that, and the agents run there: ``agent_cpus: any``, said here though it is the
+default). Four directions: TP 2 -> 1, TP 1 -> 2, PP 2 -> 1 and PP 1 -> 2. In each, every prompt is loaded
 (vLLM counts it as external tokens, kvxfer's ranks receive exactly its blocks between them, no
 load fails), decode equals what the decode server computes on its own, token for token, and
 both pools end empty.
@@ -87,7 +88,8 @@ def servers(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -
     for name, (args, cpu, world, eager) in shapes.items():
         port = _free_port_pair()
         # the agents go to core 1, the core this deployment keeps free of workers (agent_cpus: any);
-        # on their workers' core 0 they would queue behind three servers' spinning workers
+        # with agent_cpus: engine, on their workers' core 0 behind three servers' spinning workers, loads
+        # failed (a side channel unanswered 20 s; a hold's 120 s lease ran out before its read)
         cfg = {"connector": {"name": "tcp", "timeouts": TIMEOUTS, "agent_cpus": "any"}, "metrics_port": port}
         out[name] = Server(VllmServer(models[0], free_port(), "both", extra=cfg, dtype=DTYPE, cpu=cpu,
                                       log=logs / f"{name}.log", args=args, eager=eager), port, world)

@@ -44,6 +44,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvxfer.config import ConnectorConfig
 from kvxfer.engine.launcher import _pct
 from kvxfer.integrations.vllm_pd import (
     MAX_NUM_SEQS,
@@ -178,7 +179,8 @@ def _stages(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
 
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
              logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1"), busy_decode: int = 0,
-             busy_prompts: list[list[int]] | None = None, busy_output: int = 128) -> dict[str, Any]:
+             busy_prompts: list[list[int]] | None = None, busy_output: int = 128,
+             agent_cpus: str | None = None) -> dict[str, Any]:
     """One connector's row: its servers, the warm-up, the idle phase and (``busy_decode`` > 0) the
     busy phase over ``busy_prompts``."""
     kind = "nixl" if connector in NIXL_TLS else "kvxfer"
@@ -187,7 +189,8 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
     env = {"UCX_TLS": NIXL_TLS[connector]} if kind == "nixl" else None
     if kind == "kvxfer":
         name, plane = KVXFER_PLANES.get(connector, (connector.split("-", 1)[1], {}))
-        extra = {"connector": {"name": name, **({"data_plane": plane} if plane else {})}, "metrics_port": mport}
+        extra = {"connector": {"name": name, **({"data_plane": plane} if plane else {}),
+                               **({"agent_cpus": agent_cpus} if agent_cpus else {})}, "metrics_port": mport}
     busy_prompts = busy_prompts or []
     length = max(1024, max(len(q) for q in prompts + busy_prompts) + output + 1,
                  BUSY_PROMPT_TOKENS + busy_output + 1)
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--cpus", nargs=2, default=["0", "1"], metavar=("PREFILL", "DECODE"),
                     help="VLLM_CPU_OMP_THREADS_BIND of each server ('none': unbound); default: one core each")
+    ap.add_argument("--agent-cpus", choices=["any", "engine"], default=None,
+                    help="kvxfer's connector.agent_cpus: 'engine' keeps each transfer agent on its worker's core "
+                         "(default: the connector's default, any)")
     ap.add_argument("--busy-decode", type=int, default=0, metavar="N",
                     help="also measure the requests again while N other requests keep the decode server decoding "
                          f"(1 to {MAX_NUM_SEQS - 1}; 0: idle only)")
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work,
                                  cpus,  # type: ignore[arg-type]
-                                 args.busy_decode, busy_prompts, args.busy_output))
+                                 args.busy_decode, busy_prompts, args.busy_output, args.agent_cpus))
         except (TimeoutError, OSError, RuntimeError) as e:  # one pair's failure (NIXL's engine died here once)
             missing[c] = f"failed: {type(e).__name__}: {e} (its servers' logs: {work}/{c}-*.log)"
             print(f"{c}: {missing[c]}", file=sys.stderr)
@@ -297,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             b["transfer_busy_over_idle"] = b["transfer_mean_ms"] / r["transfer_mean_ms"]
             b["transfer_ratio_to_nixl"] = (b["transfer_mean_ms"] / base["busy"]["transfer_mean_ms"]
                                            if base and "busy" in base else None)
+    agent_cpus = args.agent_cpus or ConnectorConfig().agent_cpus
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
-          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}; baseline NixlConnector on the same "
-          "transports (column 'vs'), same run")
+          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}, kvxfer agent_cpus: {agent_cpus}; "
+          "baseline NixlConnector on the same transports (column 'vs'), same run")
     _table(rows, any(r["nixl_baseline"] for r in rows))
     for c, why in missing.items():
         print(f"{c:<12} {why}")
@@ -307,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": str(model), "prompt_tokens": args.prompt_tokens,
-                                         "dtype": args.dtype, "rows": rows, "missing": missing}, indent=2))
+                                         "dtype": args.dtype, "agent_cpus": agent_cpus, "rows": rows,
+                                         "missing": missing}, indent=2))
         print(f"wrote {args.json}")
     if args.plot and rows:
         _plot(rows, args.plot, args.prompt_tokens)

@@ -489,7 +489,7 @@ class KvxferConnector(KVConnectorBase_V1):
             raise ValueError(f"register_kv_caches: rank {rank} has layers {layers}, kvxfer's partition gives "
                              f"{list(spec.layers)}")
         cache = KVCache(spec=spec, num_blocks=first.shape[0], tensors=[by_layer[i] for i in layers], names=[])
-        # the agent runs on this worker's cores (connector.agent_cpus), without its OpenMP binding
+        # the agent: on any CPU or this worker's cores (connector.agent_cpus), never with its OpenMP binding
         self.connector = Connector.from_config(self.cfg, rank)
         self.connector.register_kv_caches(cache)
         if self.settings.metrics_port is not None:
