@@ -88,8 +88,8 @@ def servers(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -
     for name, (args, cpu, world, eager) in shapes.items():
         port = _free_port_pair()
         # the agents go to core 1, the core this deployment keeps free of workers (agent_cpus: any);
-        # with agent_cpus: engine, on their workers' core 0 behind three servers' spinning workers, loads
-        # failed (a side channel unanswered 20 s; a hold's 120 s lease ran out before its read)
+        # with agent_cpus: engine, on their workers' core 0 behind three servers' spinning workers, a
+        # load failed (session 20)
         cfg = {"connector": {"name": "tcp", "timeouts": TIMEOUTS, "agent_cpus": "any"}, "metrics_port": port}
         out[name] = Server(VllmServer(models[0], free_port(), "both", extra=cfg, dtype=DTYPE, cpu=cpu,
                                       log=logs / f"{name}.log", args=args, eager=eager), port, world)
