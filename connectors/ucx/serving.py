@@ -82,7 +82,7 @@ class Serving:
                 if ack is not None:
                     self._ctrl.send_multipart([parts[0], b"A" + msgspec.msgpack.encode(ack)])
             elif kind == b"B":  # a consumer dropped this producer: the RMA worker made for it goes
-                self.rt.loop.call_soon_threadsafe(self._stop_rma, payload)
+                self.rt.loop.call_soon_threadsafe(self._on_bye, payload)
             elif kind == b"R":
                 msg = decode_data(payload)
                 if isinstance(msg, ReadRequest):
@@ -132,6 +132,15 @@ class Serving:
         worker = self.rt.new_rma_worker(adaptive=self.rma_adaptive)
         self._rma_workers[hello.session] = worker
         return HelloAck(hello.hello_id, rma=bytes(worker.address.tobytes()))
+
+    def _on_bye(self, session: bytes) -> None:  # loop thread
+        """A consumer dropped this producer: its RMA worker stops and the endpoint to it closes now,
+        while the consumer still runs (closed after it exited, the endpoint's flush fails and UCX
+        logs an error for it)."""
+        self._stop_rma(session)
+        key = self._sessions.get(session)
+        if key is not None:
+            self._forget_client(key)
 
     def _stop_rma(self, session: bytes) -> None:  # loop thread
         worker = self._rma_workers.pop(session, None)

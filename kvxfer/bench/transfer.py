@@ -188,19 +188,29 @@ class Bench:
                 self.conc = ([src[i * k : (i + 1) * k] for i in range(n)], [dst[i * k : (i + 1) * k] for i in range(n)])
                 for name, conn in self.conns.items():
                     self._concurrency(name, conn)
+            self._close_consumers()  # before the producer: a ucx endpoint closed after its peer left logs errors
             self.pipe.send(("stop",))
             proc.join(timeout=60)
         finally:
             self.spinner.set(False)
             if proc.is_alive():
                 proc.kill()
-            for c in getattr(self, "conns", {}).values():
-                c.close()
-            for p in self.bare_planes:
-                p.close()
+            self._close_consumers()
         for name in self.peers:
             self._run_peer(name)
         return self.records
+
+    def _close_consumers(self) -> None:
+        """Close this side's raw ucxx endpoint, connectors and bare planes (once)."""
+        raw, self.ucx_raw = getattr(self, "ucx_raw", None), None
+        if raw is not None:
+            raw.close()
+        conns, self.conns = getattr(self, "conns", {}), {}
+        for c in conns.values():
+            c.close()
+        planes, self.bare_planes = self.bare_planes, []
+        for p in planes:
+            p.close()
 
     # -------------------------------------------------------------- loads through a connector
     def _wait_all(self, name: str, conn: Conn, pending: dict[str, float], poll: str) -> dict[str, float]:

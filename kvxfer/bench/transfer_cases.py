@@ -173,6 +173,16 @@ class UcxRaw:
 
         return self._run(go)
 
+    def close(self) -> None:
+        """Close the endpoint now, while the peer still runs (closed after it exited, the flush fails
+        and UCX logs an error)."""
+        from kvxfer.connectors.ucx.runtime import close_now
+
+        async def go() -> None:
+            close_now(self.ep)
+
+        self.rt.submit(go()).result(10)
+
 
 def ucx_runtime_plane(conn: Conn) -> tuple[Any, bool]:
     """A ucx plane of this process for the raw ucxx baseline (its ucxx runtime is outside the
@@ -262,6 +272,8 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 break
     finally:
         spinner.set(False)
+        if ucx_raw is not None:
+            ucx_raw.close()
         for c in conns.values():
             c.close()
         for p in bare_planes:
