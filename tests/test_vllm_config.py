@@ -15,6 +15,8 @@ import torch
 import kvxfer.integrations.vllm as vllm_adapter  # needs vLLM: the vllm-test extra, as the README's command installs
 from kvxfer.config import ConfigError
 from kvxfer.connector import Connector
+from kvxfer.protocol import KVTransferParams, RemoteRank
+from kvxfer.transfer.aggregator import Finished
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,3 +225,53 @@ def test_an_fp8_cache_is_moved_as_its_float8_bytes() -> None:
     cache = KVCache(spec=spec, num_blocks=3, tensors=[raw.view(torch.float8_e5m2)], names=[])
     assert cache.tensors[0].data_ptr() == raw.data_ptr() and spec.bytes_per_block == 2 * 16 * 64
     assert torch.equal(cache.block_bytes(0, 1), raw[1].flatten())
+
+
+class _RecordingConnector:
+    """The adapter's collaborator (a kvxfer Connector): records how long each poll may wait and
+    reports the loads the test finishes."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.finished: list[str] = []
+
+    def start_load(self, request_id: str, params: Any, block_ids: Any, num_cached_tokens: int = 0) -> None:
+        pass
+
+    def poll(self, timeout_s: float = 0.0) -> Finished:
+        self.waits.append(timeout_s)
+        out, self.finished = Finished(receiving=self.finished), []
+        return out
+
+
+def test_an_empty_engine_step_waits_for_loads_in_flight_and_a_step_with_work_never_does() -> None:
+    """vLLM steps without pause while a request waits for its KV; those empty steps took the CPU
+    the transfer agent needed. A step that computes nothing, with a load in flight, waits in poll
+    (returning at the load's event); a step with work, or with no load, does not wait."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    sched = vllm_adapter.KvxferConnector(vllm_config(), KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
+    worker = vllm_adapter.KvxferConnector(vllm_config(), KVConnectorRole.WORKER, SimpleNamespace(num_blocks=64))
+    rec = _RecordingConnector()
+    worker.connector = rec  # type: ignore[assignment]
+    rank = RemoteRank(rank=0, host="127.0.0.1", port=5600, generation=1)
+    params = KVTransferParams(request_id="r1", engine_id="P", num_tokens=32, block_ids=[5, 6], block_size=16,
+                              layout=sched.layout, ranks=[rank], lease_s=10.0)
+
+    def step(tokens: int, load: bool = False) -> float:
+        if load:
+            sched._pending.loads.append(vllm_adapter.LoadOrder("r1", params.to_bytes(), [1, 2], 0))
+        meta = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens))  # type: ignore[arg-type]
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.get_finished(set())
+        worker.clear_connector_metadata()
+        return rec.waits[-1]
+
+    assert step(0) == 0.0  # nothing in flight: an idle engine does not sleep in kvxfer
+    assert step(0, load=True) == vllm_adapter.IDLE_STEP_WAIT_S  # the load just started: wait for it
+    assert step(5) == 0.0  # other requests to compute: never wait
+    assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S
+    rec.finished = ["r1"]
+    assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S  # this poll reports the load finished
+    assert step(0) == 0.0  # nothing in flight any more

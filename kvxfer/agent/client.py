@@ -562,6 +562,9 @@ class AgentConnector:
         out.sending.extend(ev.sending)
         n = len(done) + len(failed)
         self.metrics.handed_over(n, (now - ev.sent_at) * n)
+        if n and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%d load(s) handed to the engine at %.6f, %.2f ms after the agent sent them: %s", n, now,
+                         (now - ev.sent_at) * 1e3, [rid for rid, _ in done] + failed)
 
     def _check_deadlines(self) -> None:
         now = self.clock()

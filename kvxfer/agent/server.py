@@ -288,8 +288,12 @@ class Agent:
             if self._pending or broken != self._broken:
                 self._broken = broken
                 p = self._pending
+                sent_at = time.monotonic()
                 self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed, errors=p.errors,
-                                       codes=p.codes, broken=broken, sent_at=time.monotonic(), layers=p.layers))
+                                       codes=p.codes, broken=broken, sent_at=sent_at, layers=p.layers))
+                if (p.receiving or p.failed) and logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("event sent at %.6f (%s): %s", sent_at, threading.current_thread().name,
+                                 p.receiving + list(p.failed))
                 self._pending = Finished()
             return True
         finally:

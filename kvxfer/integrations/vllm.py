@@ -314,6 +314,7 @@ class KvxferMetadata(KVConnectorMetadata):
     loads: list[LoadOrder] = field(default_factory=list)
     holds: list[HoldOrder] = field(default_factory=list)
     abandons: list[tuple[str, bytes, str]] = field(default_factory=list)  # (request id, params, why)
+    idle: bool = False  # the step computes nothing: the worker may wait for its loads (IDLE_STEP_WAIT_S)
 
 
 @dataclass
@@ -345,6 +346,9 @@ class KvxferStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+# at most this long an empty engine step (nothing scheduled) waits in poll for a load in flight to
+# finish: a new request that arrives meanwhile is scheduled this much later at worst
+IDLE_STEP_WAIT_S = 0.002
 COUNTERS = ("loads_started", "loads_ok", "loads_failed", "load_timeouts", "bytes_received", "busy_s")
 
 
@@ -392,6 +396,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._invalid: set[int] = set()
         self._failed_now: set[str] = set()  # loads refused at start: reported at the next poll
         self._released_now: set[str] = set()  # holds that could not be made: blocks go back at once
+        self._loading: set[str] = set()  # loads started and not yet reported finished or failed
         self._last: dict[str, float] = {}
         _log_to_stderr()
         logger.info("kvxfer %s side for %s (%s, data plane %s)", role.name.lower(), self.cfg.engine_id,
@@ -423,6 +428,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, KvxferMetadata()
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -520,6 +526,7 @@ class KvxferConnector(KVConnectorBase_V1):
             try:
                 c.start_load(ld.request_id, KVTransferParams.from_bytes(ld.params), ld.block_ids,
                              ld.num_cached_tokens)
+                self._loading.add(ld.request_id)
             except AlreadyLoading as e:  # the load in flight goes on
                 logger.error("request %s: load refused: %s", ld.request_id, e)
             except ValueError as e:
@@ -546,7 +553,9 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.connector is None:
             return KVConnectorTransferResults()
-        f = self.connector.poll()
+        f = self.connector.poll(timeout_s=self._poll_wait())
+        self._loading.difference_update(f.receiving)
+        self._loading.difference_update(f.failed)
         failed = set(f.failed) | self._failed_now
         for ids in f.failed.values():
             self._invalid.update(ids)
@@ -554,6 +563,18 @@ class KvxferConnector(KVConnectorBase_V1):
                                          finished_recving=set(f.receiving) | failed, failed_recving=failed)
         self._failed_now, self._released_now = set(), set()
         return out
+
+    def _poll_wait(self) -> float:
+        """How long this step's poll may wait for the agent's next event: IDLE_STEP_WAIT_S when the
+        step computes nothing and loads are in flight, else 0. vLLM's engine steps without pause
+        while a request waits for its KV, and those empty steps kept from the transfer agent the
+        core it shares with this worker (agent_cpus: engine) or its engine's CPU share (any); a
+        blocking wait gives that CPU back and returns the moment a load finishes. A step with work
+        never waits."""
+        if not self._loading or not self.has_connector_metadata():
+            return 0.0
+        meta = self._get_connector_metadata()
+        return IDLE_STEP_WAIT_S if isinstance(meta, KvxferMetadata) and meta.idle else 0.0
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

@@ -545,8 +545,8 @@ class Consumer(FastPath, PushReceiver):
         self.stats.load_finished(finished - load.started, load.nbytes,
                                  stages=(load.began_at - load.started, issued - load.began_at, read - issued,
                                          finished - read))
-        logger.debug("request %s: loaded %d bytes in %.1f ms", load.request_id, load.nbytes,
-                     (time.monotonic() - load.started) * 1e3)
+        logger.debug("request %s: loaded %d bytes in %.1f ms (started at %.6f, finished at %.6f)", load.request_id,
+                     load.nbytes, (finished - load.started) * 1e3, load.started, finished)
 
     def _done_notice(self, load: Load, generation: int, token: bytes) -> DoneNotice:
         return DoneNotice(request_id=load.source.request_id, engine_id=self.engine_id, rank=self.rank,
