@@ -3,6 +3,7 @@ JSON and plot (the numbers themselves are not asserted: these machines are noisy
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import subprocess
@@ -129,6 +130,23 @@ def test_the_busy_engine_script_alternates_idle_and_busy_rounds_and_refuses_a_ze
     bad = subprocess.run([sys.executable, script, "--switch-ms", "0"], capture_output=True, text=True, timeout=60,
                          cwd=REPO)
     assert bad.returncode == 2 and "--switch-ms must be > 0, got 0" in bad.stderr
+
+
+def test_the_cma_floor_script_checks_the_block_it_reads_in_both_memories(tmp_path: Path) -> None:
+    out = tmp_path / "floor.json"
+    script = str(REPO / "benchmarks" / "cma_floor.py")
+    r = subprocess.run([sys.executable, script, "--trials", "5", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    reads = ["process_vm_readv", "nixl"] if importlib.util.find_spec("nixl_cu12") else ["process_vm_readv"]
+    assert [(x["memory"], x["read"]) for x in rows] == [(m, k) for m in ("anon", "shm") for k in reads]
+    assert all(x["trials"] == 5 and 0 < x["p10_us"] <= x["p50_us"] <= x["p90_us"] for x in rows)
+    if len(reads) == 1:
+        assert "nixl: not installed" in r.stdout
+    bad = subprocess.run([sys.executable, script, "--trials", "0"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert bad.returncode == 2 and "--trials and --rounds must be >= 1, got 0 and 2" in bad.stderr
 
 
 def test_the_ucx_rma_script_checks_bytes_in_every_mode_and_producer_state(tmp_path: Path) -> None:
