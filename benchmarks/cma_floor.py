@@ -9,8 +9,8 @@ does), and this process reads the block
   cma plane makes for a block of a producer whose memory is not a shared file, and the floor
   for any CMA read;
 - ``nixl`` (when installed): NIXL's UCX backend (``UCX_TLS=sm,self,cma,tcp``, so its reads are CMA
-  copies), ``initialize_xfer`` + ``transfer`` + ``check_xfer_state`` in a loop, as the bench's
-  NIXL rows do.
+  copies), through the bench's own NIXL reader (``kvxfer.bench.peers.NixlConsumer``: descriptors,
+  ``initialize_xfer``, ``transfer``, ``check_xfer_state`` in a loop).
 
 Both with the tensors in private memory (``anon``: torch's allocator, as an engine's own cache)
 and in shared memory (``shm``: ``share_memory_()``, as a transfer agent's cache). Rows alternate
@@ -36,9 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxfer.bench.peers import NIXL_UCX_TLS, NixlConsumer, NixlProducer
+
 TENSORS, BLOCKS, PIECE = 64, 64, 32 << 10  # 64 tensors (32 layers, K and V) of 64 blocks; a block's piece
 SRC, DST = 5, 9  # the block read from the producer, the block written here
-UCX_TLS = "sm,self,cma,tcp"
 
 
 class _Iovec(ctypes.Structure):
@@ -57,15 +58,11 @@ def make_tensors(memory: str, fill: int | None = None) -> list[torch.Tensor]:
 
 def producer(memory: str, use_nixl: bool, pipe: Any) -> None:
     ts = make_tensors(memory)
-    meta = b""
+    nixl = None
     if use_nixl:
-        os.environ["UCX_TLS"] = UCX_TLS
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-        agent = nixl_agent("cma-floor-producer", nixl_agent_config(backends=["UCX"]))
-        agent.register_memory([(t.data_ptr(), t.numel(), 0, "") for t in ts], "DRAM")
-        meta = agent.get_agent_metadata()
-    pipe.send((meta, [t.data_ptr() for t in ts], os.getpid()))
+        os.environ["UCX_TLS"] = NIXL_UCX_TLS
+        nixl = NixlProducer(ts)  # kept until the consumer is done: its agent serves the reads
+    pipe.send((nixl.info if nixl else {}, [t.data_ptr() for t in ts], os.getpid()))
     pipe.recv()  # stop
 
 
@@ -77,7 +74,7 @@ def measure(memory: str, use_nixl: bool, trials: int) -> dict[str, list[float]]:
     try:
         if not here.poll(120):
             raise RuntimeError("the producer process did not start within 120 s")
-        meta, remote_bases, pid = here.recv()
+        info, remote_bases, pid = here.recv()
         ts = make_tensors(memory, fill=255)
         local = np.array([[t.data_ptr() + DST * PIECE, PIECE, 0] for t in ts], dtype=np.int64)
         remote = np.array([[b + SRC * PIECE, PIECE, 0] for b in remote_bases], dtype=np.int64)
@@ -92,27 +89,13 @@ def measure(memory: str, use_nixl: bool, trials: int) -> dict[str, list[float]]:
 
         fns = {"process_vm_readv": pvm}
         if use_nixl:
-            os.environ["UCX_TLS"] = UCX_TLS
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
+            os.environ["UCX_TLS"] = NIXL_UCX_TLS
+            peer = NixlConsumer(ts, info)
+            idx, offsets = np.arange(TENSORS), np.full(TENSORS, 0, dtype=np.int64)
+            lengths = np.full(TENSORS, PIECE, dtype=np.int64)
 
-            agent = nixl_agent("cma-floor-consumer", nixl_agent_config(backends=["UCX"]))
-            agent.register_memory([(t.data_ptr(), t.numel(), 0, "") for t in ts], "DRAM")
-            peer = agent.add_remote_agent(meta)
-            ldescs, rdescs = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
-
-            def nixl() -> None:
-                h = agent.initialize_xfer("READ", ldescs, rdescs, peer)
-                try:
-                    state = agent.transfer(h)
-                    deadline = time.monotonic() + 30
-                    while state == "PROC":
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("nixl: a read not done in 30 s")
-                        state = agent.check_xfer_state(h)
-                    if state != "DONE":
-                        raise RuntimeError(f"nixl: transfer state {state}")
-                finally:
-                    agent.release_xfer_handle(h)
+            def nixl() -> None:  # as the bench's NIXL rows read
+                peer.read(idx, offsets + SRC * PIECE, idx, offsets + DST * PIECE, lengths, timeout_s=30.0)
 
             fns["nixl"] = nixl
         out: dict[str, list[float]] = {}
