@@ -295,6 +295,11 @@ class ConnectorConfig(Config, frozen=True):
     # agent), and on cma copied there too: no hand-off to the worker thread. 0: every load goes
     # through the worker.
     inline_load_bytes: NonNegativeInt = 16 << 20
+    # With a transfer agent, a load of at most this many bytes (this rank's share) is copied by the
+    # engine's own thread in start_load, where the data plane reads one-sided (cma) from producer
+    # ranks the agent has handshaken, checked against their hold boards: no round trip through the
+    # agent, as NIXL's caller copies. Anything else goes to the agent. 0: the agent loads everything.
+    engine_copy_bytes: NonNegativeInt = 4 << 20
 
     @check("data_plane")
     def _check_data_plane(self) -> Iterator[Problem]:

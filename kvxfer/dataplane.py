@@ -212,6 +212,37 @@ TokenChecker = Callable[[bytes], bool]
 """Called on the serving side with the token a new connection presents."""
 
 
+class EngineReads(ABC):
+    """Reads a data plane lets an engine's own thread make while its transfer agent does the rest.
+
+    With a transfer agent, a small load costs two process hops (engine -> agent -> engine) that
+    take longer than its bytes. A plane that reads one-sided (cma) can copy such a load on the
+    thread that calls ``start_load``, as NIXL's caller does, from producers the agent has
+    handshaken (``connect`` with what their handshake published). It is only ever an
+    optimisation: a read it cannot make whole returns None and the agent loads it as before.
+
+    Threads: one caller at a time (the engine's connector serialises calls)."""
+
+    @abstractmethod
+    def connect(self, peer_id: str, address: bytes) -> None:
+        """Be ready to read the producer whose ``DataPlane.address()`` this is; raises
+        ConnectionError naming why it cannot be read from here."""
+
+    @abstractmethod
+    def disconnect(self, peer_id: str) -> None:
+        """Forget a producer (restarted, or unreadable)."""
+
+    @abstractmethod
+    def read(self, request_id: str, reads: Sequence[tuple[str, Descriptors]]) -> bool:
+        """Copy all of ``reads`` (peer id, descriptors; ``local_*`` in this process's regions) for
+        the producer's ``request_id`` now, checked against its holds, or report False: then the
+        caller's agent loads it (what was written went only into the load's own blocks)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap and forget every producer."""
+
+
 class DataPlane(ABC):
     """Moves bytes between registered regions of two ranks; never interprets them."""
 
@@ -279,6 +310,14 @@ class DataPlane(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop every thread and socket this data plane started."""
+
+    @classmethod
+    def engine_reads(cls, options: Mapping[str, DataPlaneValue],
+                     regions: Sequence[MemoryRegion]) -> EngineReads | None:
+        """Reads the engine's own thread may make into ``regions`` (its cache, in its process),
+        beside a transfer agent running this plane with ``options``; None (the default): none,
+        the agent makes every read (see :class:`EngineReads`)."""
+        return None
 
     def counters(self) -> dict[str, float]:
         """The plane's own counters (``Connector.stats()`` shows them as ``plane_<name>``)."""

@@ -200,11 +200,14 @@ def test_map_memory_must_be_a_bool() -> None:
 
 def test_a_transfer_agents_cma_loads_are_copied_from_mappings_bit_exact() -> None:
     """Across processes: two transfer agents (their caches in shared memory); the consumer
-    agent maps the producer agent's files and every small load is copied from them."""
+    agent maps the producer agent's files and every small load is copied from them (by the
+    agent: engine_copy_bytes 0; the engine's own copies are test_engine_copies.py's)."""
+    import msgspec
     from test_agent import cfg, make, wait_for
 
     p, pt = make(cfg("prefill", "cma", data_path="agent"), fill=3)
-    c, ct = make(cfg("decode", "cma", data_path="agent"))
+    dcfg = cfg("decode", "cma", data_path="agent")
+    c, ct = make(msgspec.structs.replace(dcfg, connector=msgspec.structs.replace(dcfg.connector, engine_copy_bytes=0)))
     try:
         for i in range(3):
             params = p.hold(f"r{i}", [1 + i, 5 + i], 32)

@@ -66,6 +66,7 @@ from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
+    EngineReads,
     HostRegionPlane,
     ReadRefused,
     check_bounds,
@@ -74,14 +75,15 @@ from kvxfer.dataplane import (
 from kvxfer.protocol import ErrorCode, ReadRequest, Refusal
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.threads import NamedThread
-from kvxfer.transfer.hold_board import WINDOW, HoldBoard, check_one_sided, row_unchanged
+from kvxfer.transfer.hold_board import HoldBoard, check_one_sided, row_unchanged
 
 from .copier import CopyHelpers, cut
+from .engine_reads import CmaEngineReads
 from .granted_reads import Awaited, GrantedReads
 from .grants import GrantServer
-from .mapped import RegionFile, copy_mapped, map_region, region_files
-from .memory import Peeker, copy_from, iovecs
-from .peer import CmaAddress, Peer, Pieces, boot_id, pieces, unmap
+from .mapped import RegionFile, copy_mapped, region_files
+from .memory import copy_from, iovecs
+from .peer import CmaAddress, Peer, Pieces, boot_id, open_peer, pieces, unmap
 
 logger = logging.getLogger(__name__)
 
@@ -197,30 +199,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
 
     # ------------------------------------------------------------------ consumer
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
-        try:
-            addr = msgspec.msgpack.decode(address, type=CmaAddress)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ConnectionError(f"peer {peer_id}: bad cma address: {e}") from None
-        if addr.boot_id != boot_id():
-            raise ConnectionError(f"peer {peer_id} runs on another host: the cma data plane reads only on one "
-                                  f"host (use tcp or ucx)")
-        if not addr.regions:
-            raise ConnectionError(f"peer {peer_id} registered no regions")
-        base, _length = next(iter(addr.regions.values()))
-        probe = np.zeros(1, dtype=np.uint8)
-        try:
-            copy_from(addr.pid, np.array([[probe.ctypes.data, 1]], dtype=np.uint64),
-                      np.array([[base, 1]], dtype=np.uint64))
-        except OSError as e:
-            raise ConnectionError(f"peer {peer_id} (pid {addr.pid}): the kernel refuses cross-memory reads ({e}); "
-                                  f"another pid namespace, or ptrace denied: use tcp or ucx") from None
-        ids = np.array(sorted(addr.regions), dtype=np.int64)
-        peer = Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
-                     np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
-                     np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
-        one_sided = addr.board[1] > WINDOW and bool((peer.strides > 0).all())
-        if one_sided and self.map_memory:
-            self._map(peer_id, peer)
+        peer, one_sided = open_peer(peer_id, address, token, self.map_memory)
         with self._direct_lock:
             old = self._direct.pop(peer_id, None)
             if one_sided:
@@ -240,30 +219,6 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         self._wake()
         if threading.current_thread() is not self._read_thread and self._read_thread.is_alive():
             dropped.wait(DISCONNECT_WAIT_S)
-
-    @staticmethod
-    def _map(peer_id: str, peer: Peer) -> None:
-        """Map the peer's regions that lie in shared-memory files (mapped.py); a region that
-        cannot be mapped is read with process_vm_readv, as every region was before (logged)."""
-        if not peer.addr.files:
-            logger.info("cma: peer %s (pid %d) has no memory in shared files: it is read with process_vm_readv",
-                        peer_id, peer.addr.pid)
-            return
-        mapped = np.zeros(len(peer.ids), dtype=np.int64)
-        for i, rid in enumerate(peer.ids.tolist()):
-            rf = peer.addr.files.get(rid)
-            if rf is None:
-                continue
-            try:
-                m = map_region(peer.addr.pid, rf, int(peer.sizes[i]))
-            except OSError as e:
-                logger.info("cma: peer %s (pid %d): region %d not mapped (%s): it is read with process_vm_readv",
-                            peer_id, peer.addr.pid, rid, e)
-                continue
-            peer.maps.append(m)
-            mapped[i] = m.address
-        peer.mapped = mapped
-        logger.debug("cma: peer %s: %d of %d regions mapped", peer_id, len(peer.maps), len(peer.ids))
 
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         return self.read_many(((peer_id, request_id, descriptors),))[0]
@@ -426,6 +381,17 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
             return Refusal(ErrorCode.AUTH, "no valid handshake token"), 0
         why, d = check_read(self._table, self._validator, req.request_id, req.regions, req.offsets, req.lengths)
         return why, d.nbytes
+
+    @classmethod
+    def engine_reads(cls, options: Mapping[str, DataPlaneValue],
+                     regions: Sequence[MemoryRegion]) -> EngineReads | None:
+        """The engine's thread copies small loads one-sided itself (``engine_reads.py``); its
+        options are checked as the agent's plane checks them."""
+        plane_options = dict(options)
+        map_memory = plane_options.get("map_memory", True)
+        if not isinstance(map_memory, bool):
+            raise ValueError(f"connector.data_plane.map_memory: expected true or false, got {map_memory!r}")
+        return CmaEngineReads(regions, map_memory, KEEP_GIL_BYTES)
 
     # ------------------------------------------------------------------ both
     def counters(self) -> dict[str, float]:

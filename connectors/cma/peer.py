@@ -8,6 +8,7 @@ once per region pattern.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .mapped import FileMap, RegionFile
-from .memory import Peeker
+from kvxfer.transfer.hold_board import WINDOW
+
+from .mapped import FileMap, RegionFile, map_region
+from .memory import Peeker, copy_from
+
+logger = logging.getLogger(__name__)
 
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
@@ -91,6 +96,62 @@ class Peer:
     mapped: np.ndarray | None = None  # by position in ids, the region's address in maps (0: not mapped)
     maps: list[FileMap] = field(default_factory=list)  # unmapped under _direct_lock only (mapped.py)
 
+
+
+def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> tuple[Peer, bool]:
+    """A producer's record from its published ``address``, after checking the kernel lets this
+    process read it (one byte probed), with its shared-memory files mapped where it may be read
+    one-sided and ``map_memory``; and whether it may be (it has a board and block strides).
+    Raises ConnectionError naming why the peer cannot be read."""
+    try:
+        addr = msgspec.msgpack.decode(address, type=CmaAddress)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ConnectionError(f"peer {peer_id}: bad cma address: {e}") from None
+    if addr.boot_id != boot_id():
+        raise ConnectionError(f"peer {peer_id} runs on another host: the cma data plane reads only on one "
+                              f"host (use tcp or ucx)")
+    if not addr.regions:
+        raise ConnectionError(f"peer {peer_id} registered no regions")
+    base, _length = next(iter(addr.regions.values()))
+    probe = np.zeros(1, dtype=np.uint8)
+    try:
+        copy_from(addr.pid, np.array([[probe.ctypes.data, 1]], dtype=np.uint64),
+                  np.array([[base, 1]], dtype=np.uint64))
+    except OSError as e:
+        raise ConnectionError(f"peer {peer_id} (pid {addr.pid}): the kernel refuses cross-memory reads ({e}); "
+                              f"another pid namespace, or ptrace denied: use tcp or ucx") from None
+    ids = np.array(sorted(addr.regions), dtype=np.int64)
+    peer = Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
+                np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
+                np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
+    one_sided = addr.board[1] > WINDOW and bool((peer.strides > 0).all())
+    if one_sided and map_memory:
+        _map(peer_id, peer)
+    return peer, one_sided
+
+
+def _map(peer_id: str, peer: Peer) -> None:
+    """Map the peer's regions that lie in shared-memory files (mapped.py); a region that
+    cannot be mapped is read with process_vm_readv, as every region was before (logged)."""
+    if not peer.addr.files:
+        logger.info("cma: peer %s (pid %d) has no memory in shared files: it is read with process_vm_readv",
+                    peer_id, peer.addr.pid)
+        return
+    mapped = np.zeros(len(peer.ids), dtype=np.int64)
+    for i, rid in enumerate(peer.ids.tolist()):
+        rf = peer.addr.files.get(rid)
+        if rf is None:
+            continue
+        try:
+            m = map_region(peer.addr.pid, rf, int(peer.sizes[i]))
+        except OSError as e:
+            logger.info("cma: peer %s (pid %d): region %d not mapped (%s): it is read with process_vm_readv",
+                        peer_id, peer.addr.pid, rid, e)
+            continue
+        peer.maps.append(m)
+        mapped[i] = m.address
+    peer.mapped = mapped
+    logger.debug("cma: peer %s: %d of %d regions mapped", peer_id, len(peer.maps), len(peer.ids))
 
 
 def unmap(peer: Peer | None) -> None:

@@ -1,4 +1,4 @@
-"""``python -m kvxfer.agent CMD_FD EVENT_FD [--any-cpu]``: a rank's transfer agent (the engine starts it).
+"""``python -m kvxfer.agent CMD_FD EVENT_FD COPIED_FD [--any-cpu]``: a rank's transfer agent (the engine starts it).
 
 It runs on the CPUs of the engine thread that started it (``connector.agent_cpus: engine``), or
 with ``--any-cpu`` on every CPU this process may use; set before any import starts a thread, as

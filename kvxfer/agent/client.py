@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.channel import Channel, ChannelClosed
+from kvxfer.agent.engine_loads import EngineLoads
 from kvxfer.agent.messages import (
     AbandonLoad,
     Close,
@@ -44,6 +45,7 @@ from kvxfer.agent.messages import (
     GetStats,
     Held,
     Hold,
+    Loaded,
     Push,
     Ready,
     Refused,
@@ -62,12 +64,15 @@ from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import check_cache, check_rank
+from kvxfer.dataplane import load_data_plane
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
+from kvxfer.supervise import report
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading
 from kvxfer.transfer.load import checked_load_ids
+from kvxfer.transfer.planner import SideLayout
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,9 @@ class AgentMetrics(ConnectorMetrics):
             out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s
             out["agent_handoff_s"] = self.handoff_s
             out["agent_handoffs"] = float(self.handoffs)
+        engine = owner._engine_loads if owner is not None else None
+        out["engine_copied_loads"] = float(engine.copied if engine is not None else 0)
+        out["engine_passed_loads"] = float(engine.passed if engine is not None else 0)
         if owner is None or owner.broken is not None:
             out["broken"] = 1.0
         return out
@@ -145,6 +153,7 @@ class AgentConnector:
         self.ready: Ready | None = None
         self._commands: Channel | None = None
         self._events: Channel | None = None
+        self._copied_channel: Channel | None = None
         self._command_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._lock = threading.Lock()  # the loads, the holds, the pending failures, _dead
@@ -156,6 +165,10 @@ class AgentConnector:
         self._landed: dict[str, set[int]] = {}  # push loads in flight: layers landed so far
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not
         self._broken: str | None = None  # the agent's own reason, from its events
+        self._engine_loads: EngineLoads | None = None  # small loads this process copies itself (engine_loads.py)
+        self._engine_lock = threading.Lock()  # one thread in _engine_loads at a time
+        self._copied = Finished()  # loads _engine_loads copied, reported at the next poll
+        self._copied_at: list[float] = []  # when each was copied (the handoff stage)
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
 
@@ -174,16 +187,19 @@ class AgentConnector:
             pin_for(self.device_cache, cache)  # pinned where it now lives, in shared memory
         engine_cmd, agent_cmd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         engine_evt, agent_evt = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        engine_cp, agent_cp = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._commands = Channel(engine_cmd, Reply)
         self._events = Channel(engine_evt, Event)
-        fds = [agent_cmd.fileno(), agent_evt.fileno(), *(t.fd for t in shared)]
+        self._copied_channel = Channel(engine_cp, Reply)  # Loaded, sent only (messages.py)
+        fds = [agent_cmd.fileno(), agent_evt.fileno(), agent_cp.fileno(), *(t.fd for t in shared)]
         env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING}
         env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # kvxfer and plugins as the engine finds them
         try:
             any_cpu = ["--any-cpu"] if self.config.connector.agent_cpus == "any" else []
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno()), *any_cpu],
+                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno()),
+                 str(agent_cp.fileno()), *any_cpu],
                 pass_fds=fds, env=env, close_fds=True)
         except OSError as e:
             self._teardown()
@@ -192,6 +208,7 @@ class AgentConnector:
         finally:
             agent_cmd.close()
             agent_evt.close()
+            agent_cp.close()
         start = Start(config=msgspec.to_builtins(self.config), rank=self.rank, tensors=shared,
                       num_blocks=cache.num_blocks, sys_path=[p for p in sys.path if p])
         try:
@@ -207,8 +224,25 @@ class AgentConnector:
             raise
         self.ready = reply
         self.cache = cache
+        self._engine_loads = self._make_engine_loads(cache)
         logger.info("rank %d: transfer agent pid %d serves the side channel on port %d (%s)", self.rank,
                     self.process.pid, reply.port, reply.plane)
+
+    def _make_engine_loads(self, cache: KVCache) -> EngineLoads | None:
+        """The small loads this process may copy itself, if its plane reads one-sided (engine_loads.py)."""
+        conn = self.config.connector
+        if (self.config.role not in ("decode", "both") or conn.engine_copy_bytes == 0 or conn.mode != "pull"
+                or self.device_cache is not None):
+            return None
+        try:
+            reads = load_data_plane(conn.name).engine_reads(conn.data_plane, cache.regions)
+        except Exception as e:  # the agent loads everything, as before
+            report("engine reads", e, f"rank {self.rank}: the transfer agent loads every request")
+            return None
+        if reads is None:
+            return None
+        return EngineLoads(reads, self.layout, self.tp_rank, self.pp_rank, SideLayout.from_cache(cache),
+                           conn.engine_copy_bytes, cache.spec.bytes_per_block)
 
     @property
     def side_channel_port(self) -> int:
@@ -235,6 +269,10 @@ class AgentConnector:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
         with self._poll_lock:
             self._teardown(wait_s=10.0)
+        with self._engine_lock:
+            if self._engine_loads is not None:
+                self._engine_loads.close()
+                self._engine_loads = None
         if self.cache is not None:
             unpin(self.cache)  # the host mirror's pinning (a device cache's), once the agent is gone
 
@@ -244,7 +282,7 @@ class AgentConnector:
         with self._lock:
             if self._dead is None:
                 self._dead = "transfer agent closed"
-        for ch in (self._commands, self._events):
+        for ch in (self._commands, self._events, self._copied_channel):
             if ch is not None:
                 ch.close()
 
@@ -421,6 +459,8 @@ class AgentConnector:
                 self._fail_locked(request_id, ids, self._dead)
                 return
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
+        if self._engine_loads is not None and self._copy_here(request_id, params, ids, num_cached_tokens):
+            return
         try:
             self._send_only(StartLoad(request_id, params, ids.tolist(), num_cached_tokens))
         except RuntimeError:
@@ -428,6 +468,51 @@ class AgentConnector:
                 load = self._loads.pop(request_id, None)
                 if load is not None:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
+
+    def _copy_here(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> bool:
+        """A recorded load copied by this thread (engine_loads.py); False: the agent must load it."""
+        if not self._engine_lock.acquire(blocking=False):
+            return False
+        started = time.monotonic()
+        try:
+            engine = self._engine_loads
+            got = engine.load(params, ids, num_cached_tokens) if engine is not None else None
+        except Exception as e:  # a bug here must not fail a load the agent can make
+            report("engine reads", e, f"request {request_id} (loaded by the transfer agent instead)")
+            got = None
+        finally:
+            self._engine_lock.release()
+        if got is None:
+            return False
+        nbytes, planned = got
+        copied = time.monotonic()
+        with self._lock:
+            if self._loads.pop(request_id, None) is None:  # failed meanwhile (the agent died): reported so
+                return True
+            self._copied.receiving.append(request_id)
+            self._copied_at.append(copied)
+            self._outcome_locked(request_id, True)
+        self._tell_copied(Loaded(request_id, params, nbytes, started, planned, copied))
+        return True
+
+    def _tell_copied(self, msg: Loaded) -> None:
+        """Tell the agent a load was copied here (it sends the done notices), on the channel it reads
+        with its periodic events; never waits: if the agent left no room (stuck) or is gone, the
+        producer's hold ends at its lease instead."""
+        ch = self._copied_channel
+        why = None
+        if ch is None or self._dead is not None:
+            why = self._dead or "no agent"
+        elif not ch.writable():
+            why = "the agent has not read the ones before"
+        else:
+            try:
+                ch.send(msg, COMMAND_S)
+            except (ChannelClosed, TimeoutError, OSError) as e:
+                why = str(e)
+        if why is not None:
+            logger.warning("rank %d: request %s was loaded, but its producers are not told (%s); their holds end "
+                           "at their leases", self.rank, msg.request_id, why)
 
     def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                 num_cached_tokens: int = 0) -> PushTarget:
@@ -498,8 +583,13 @@ class AgentConnector:
         out = Finished()
         with self._lock:
             carried, self._carry = self._carry, Finished()
+            copied, self._copied = self._copied, Finished()
+            copied_at, self._copied_at = self._copied_at, []
         out.extend(carried)
-        self._read_events(0.0 if carried else timeout_s, out)
+        out.extend(copied)
+        if copied_at:
+            self.metrics.handed_over(len(copied_at), len(copied_at) * time.monotonic() - sum(copied_at))
+        self._read_events(0.0 if carried or copied else timeout_s, out)
         with self._lock:
             if self._failed:
                 out.extend(self._failed)
@@ -530,6 +620,11 @@ class AgentConnector:
         """One event into ``out``: only loads still recorded here (one the agent's death already
         failed is not reported twice)."""
         now = time.monotonic()
+        if ev.peers and self._engine_loads is not None:
+            with self._engine_lock:
+                for p in ev.peers:
+                    if self._engine_loads is not None:
+                        self._engine_loads.learn(p.engine_id, p.meta)
         with self._lock:
             done = [(rid, self._loads.pop(rid)) for rid in ev.receiving if rid in self._loads]
             failed = [rid for rid in ev.failed if self._loads.pop(rid, None) is not None]

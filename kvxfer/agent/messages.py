@@ -1,7 +1,9 @@
 """What an engine and its transfer agent say to each other (msgspec Structs, tagged).
 
 Commands go engine -> agent on the command channel, each answered by one reply. Events go
-agent -> engine on the event channel, unasked: what finished, and when the agent sent it.
+agent -> engine on the event channel, unasked: what finished, and when the agent sent it. Loads
+the engine copied itself go engine -> agent on the copied channel, which the agent reads only
+with its periodic events (so a small load wakes no agent thread).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
+from kvxfer.protocol import ErrorCode, HandshakeResponse, KVTransferParams, PushTarget
 
 
 class SharedTensor(msgspec.Struct, frozen=True):
@@ -65,6 +67,20 @@ class StartLoad(msgspec.Struct, frozen=True, tag=True):
     params: KVTransferParams
     local_block_ids: list[int]
     num_cached_tokens: int
+
+
+class Loaded(msgspec.Struct, frozen=True, tag=True):
+    """On the copied channel (engine -> agent, never answered): the engine's own thread copied this
+    load (``EngineReads``); the agent sends its done notices, as for a load of its own, and counts
+    it. Times: ``time.monotonic`` when the load started, its reads were planned, and its bytes were
+    copied and rechecked."""
+
+    request_id: str
+    params: KVTransferParams
+    nbytes: int
+    started: float
+    planned: float
+    copied: float
 
 
 class Wait(msgspec.Struct, frozen=True, tag=True):
@@ -133,6 +149,14 @@ class Refused(msgspec.Struct, frozen=True, tag=True):
 Reply = Ready | Done | Held | Reserved | Stats | Refused
 
 
+class PeerKnown(msgspec.Struct, frozen=True):
+    """A producer rank the agent has handshaken with: what its handshake answered (the engine's
+    ``EngineReads`` may then read it itself)."""
+
+    engine_id: str
+    meta: HandshakeResponse
+
+
 class Finished(msgspec.Struct, frozen=True, tag=True):
     """What the agent's connector reported since the last event (the wire form of
     :class:`kvxfer.transfer.aggregator.Finished`)."""
@@ -145,6 +169,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     broken: str | None  # why the agent's rank cannot load any more, or None
     sent_at: float  # time.monotonic() in the agent (CLOCK_MONOTONIC: comparable across processes)
     layers: dict[str, list[int]] = {}  # push: layers of a request newly landed
+    peers: list[PeerKnown] = []  # producer ranks newly handshaken
 
 
 Event = Finished

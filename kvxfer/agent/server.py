@@ -40,6 +40,8 @@ from kvxfer.agent.messages import (
     Held,
     HistogramState,
     Hold,
+    Loaded,
+    PeerKnown,
     Push,
     Ready,
     Refused,
@@ -58,10 +60,11 @@ from kvxfer.cache.spec import spec_from_config
 from kvxfer.config import InstanceConfig, convert
 from kvxfer.connector import Connector
 from kvxfer.metrics import Histogram
-from kvxfer.protocol import ErrorCode
+from kvxfer.protocol import ErrorCode, HandshakeResponse
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.threads import NamedThread
 from kvxfer.transfer.aggregator import Finished
+from kvxfer.transfer.load import EngineCopied
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +81,11 @@ def _hist(h: Histogram) -> HistogramState:
 class Agent:
     """One rank's connector, driven over two channels by its engine (see the module doc)."""
 
-    def __init__(self, commands: Channel, events: Channel) -> None:
+    def __init__(self, commands: Channel, events: Channel, copied: Channel | None = None) -> None:
         self.commands = commands
         self.events = events
+        self.copied = copied  # Loaded, from the engine: read under _copied_lock (_take_copied)
+        self._copied_lock = threading.Lock()
         self.conn: Connector | None = None
         self._stop = threading.Event()
         self._broken: str | None = None
@@ -88,6 +93,7 @@ class Agent:
         self._refused_lock = threading.Lock()
         self._events_lock = threading.Lock()
         self._pending = Finished()  # what poll gave and no send has carried yet
+        self._new_peers: list[PeerKnown] = []  # producer ranks handshaken since the last event (_refused_lock)
         self.parent = os.getppid()
         self._channel_closed = False  # the main thread's: a receive inside a burst found the channel closed
 
@@ -107,6 +113,7 @@ class Agent:
         if conn.consumer is not None:
             conn.consumer.caller_takes_done = True  # _flush_now sends what a load finished at once
             conn.consumer.worker_takes_done = self._flush_from_worker  # and the worker what it finished
+            conn.consumer.peers.on_new = self._peer_known  # the engine may read them itself (EngineReads)
         self.commands.send(Ready(port=conn.side_channel_port, generation=conn.generation, plane=conn.plane.name))
         notifier = NamedThread(target=self._send_events, name=f"kvxfer-agent-events-{conn.rank}", daemon=True)
         notifier.start()
@@ -198,6 +205,7 @@ class Agent:
                 conn.abandon(cmd.request_id, cmd.params, cmd.reason)
                 return Done()
             if isinstance(cmd, GetStats):
+                self._take_copied()
                 m = conn.metrics
                 snap = conn.stats()
                 with m._lock:
@@ -259,6 +267,33 @@ class Agent:
                 self._refuse_load(cmd, err)
         return after
 
+    def _take_copied(self) -> None:
+        """Loads the engine copied itself (``Loaded`` on the copied channel), passed on together:
+        the event thread takes them each turn, so their done notices go out together (one round
+        trip to each producer every EVENT_WAIT_S at most, not a chain of wake-ups in both agents
+        per load while the engine's next load wants the CPU); ``GetStats`` takes them first, so
+        the engine's counters include every load it has seen finish."""
+        conn = self.conn
+        if conn is None or conn.consumer is None:
+            return
+        copied: list[EngineCopied] = []
+        with self._copied_lock:
+            try:
+                while self.copied is not None and self.copied.has_next():
+                    m = self.copied.recv(0)
+                    if isinstance(m, Loaded):
+                        copied.append(EngineCopied(m.request_id, m.params, m.nbytes, m.started, m.planned,
+                                                   m.copied))
+            except ChannelClosed:  # the engine is gone or sent garbage: the command loop ends us
+                self.copied = None
+        if copied:
+            conn.consumer.loaded_by_engine(copied)
+
+    def _peer_known(self, engine_id: str, meta: HandshakeResponse) -> None:
+        """A producer rank newly handshaken (the consumer's turn-lock holder): sent with the next event."""
+        with self._refused_lock:
+            self._new_peers.append(PeerKnown(engine_id=engine_id, meta=meta))
+
     def _refuse_load(self, cmd: StartLoad, e: Exception) -> None:
         code = ErrorCode.BAD_PARAMS if isinstance(e, ValueError) else code_of(e)
         if not isinstance(e, ValueError):
@@ -284,13 +319,20 @@ class Agent:
                 if self._refused:
                     self._pending.extend(self._refused)
                     self._refused = Finished()
+                peers, self._new_peers = self._new_peers, []
             broken = conn.broken
-            if self._pending or broken != self._broken:
+            if self._pending or broken != self._broken or peers:
                 self._broken = broken
                 p = self._pending
                 sent_at = time.monotonic()
-                self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed, errors=p.errors,
-                                       codes=p.codes, broken=broken, sent_at=sent_at, layers=p.layers))
+                try:
+                    self.events.send(Event(sending=p.sending, receiving=p.receiving, failed=p.failed,
+                                           errors=p.errors, codes=p.codes, broken=broken, sent_at=sent_at,
+                                           layers=p.layers, peers=peers))
+                except BaseException:
+                    with self._refused_lock:  # not sent: they go with the next event
+                        self._new_peers[:0] = peers
+                    raise
                 if (p.receiving or p.failed) and logger.isEnabledFor(logging.DEBUG):
                     logger.debug("event sent at %.6f (%s): %s", sent_at, threading.current_thread().name,
                                  p.receiving + list(p.failed))
@@ -333,6 +375,7 @@ class Agent:
                 else:
                     self._stop.wait(EVENT_WAIT_S)
                 self._flush()
+                self._take_copied()
             except ChannelClosed:
                 return
             except Exception as e:  # kept in _pending; sent with the next turn's
@@ -355,13 +398,15 @@ def main(argv: list[str]) -> int:
     global _IN_AGENT
     _IN_AGENT = True
 
-    if len(argv) != 2:
-        print("usage: python -m kvxfer.agent COMMAND_FD EVENT_FD (started by the engine's connector)", file=sys.stderr)
+    if len(argv) != 3:
+        print("usage: python -m kvxfer.agent COMMAND_FD EVENT_FD COPIED_FD (started by the engine's connector)",
+              file=sys.stderr)
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
     commands = Channel(socket.socket(fileno=int(argv[0])), Command)
     events = Channel(socket.socket(fileno=int(argv[1])), Event)
-    return Agent(commands, events).run()
+    copied = Channel(socket.socket(fileno=int(argv[2])), Loaded)
+    return Agent(commands, events, copied).run()
 
 
 __all__ = ["Agent", "Event", "in_agent", "main"]

@@ -564,7 +564,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
                     help="data planes to measure (default: every installed one that works across processes); "
                          "ucx-2s: the ucx plane with reads: two-sided (its default is one-sided); ucx-native: with "
-                         "rma_progress: native (in an agent its default is adaptive)")
+                         "rma_progress: native (in an agent its default is adaptive); cma-agent: the cma plane with "
+                         "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
+                         "thread copies a small load itself)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
     ap.add_argument("--peers", action="store_true",

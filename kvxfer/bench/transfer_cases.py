@@ -43,22 +43,28 @@ class Conn(Protocol):
 
 
 # connector rows that are a plane with options, not its defaults: name -> (plane, connector.data_plane)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"ucx-2s": ("ucx", {"reads": "two-sided"}),
-                                                   "ucx-native": ("ucx", {"rma_progress": "native"})}
+# a bench row that runs a data plane with options: name -> (plane, data_plane options, connector options)
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "ucx-2s": ("ucx", {"reads": "two-sided"}, {}),
+    "ucx-native": ("ucx", {"rma_progress": "native"}, {}),
+    # every load through the transfer agent: what the engine's own small copies (engine_copy_bytes) change
+    "cma-agent": ("cma", {}, {"engine_copy_bytes": 0}),
+}
 
 
 def plane_of(connector: str) -> str:
     """The data plane a bench connector row runs: "ucx-2s" -> "ucx"."""
-    return VARIANTS.get(connector, (connector, {}))[0]
+    return VARIANTS.get(connector, (connector, {}, {}))[0]
 
 
 def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None = None) -> InstanceConfig:
     """``data_path``: where the connector's data path runs (``connector.data_path``; None: its default).
     ``connector``: a data plane, or a variant of one (VARIANTS)."""
     extra: dict[str, Any] = {} if data_path is None else {"data_path": data_path}
-    plane, options = VARIANTS.get(connector, (connector, {}))
+    plane, options, connector_options = VARIANTS.get(connector, (connector, {}, {}))
     if options:
         extra["data_plane"] = dict(options)
+    extra.update(connector_options)
     return InstanceConfig(
         role=role, engine_id=f"bench-{role}-{connector}",
         model=ModelConfig(name="llama3-8b-like", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,

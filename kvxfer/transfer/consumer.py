@@ -29,8 +29,6 @@ from kvxfer.dataplane import BatchResult, DataPlane
 from kvxfer.handshake import HandshakeError, SideChannelClient
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import (
-    Abandon,
-    DoneNotice,
     ErrorCode,
     KVTransferParams,
     RemoteRank,
@@ -46,10 +44,10 @@ from kvxfer.transfer.load import (
     Batch,
     BeginLoad,
     EndReservation,
+    EngineCopied,
     Job,
     Load,
     LoadFailed,
-    Notice,
     Peer,
     PushNotice,
     RenewNow,
@@ -58,9 +56,10 @@ from kvxfer.transfer.load import (
     checked_load_ids,
 )
 from kvxfer.transfer.load_planner import LoadPlanner
-from kvxfer.transfer.notifier import Notifier, renewals
+from kvxfer.transfer.notifier import Notifier
 from kvxfer.transfer.peers import PeerTable
 from kvxfer.transfer.planner import SideLayout, finish_staged
+from kvxfer.transfer.producer_notices import ProducerNotices
 from kvxfer.transfer.push_receiver import PushReceiver
 
 __all__ = ["AlreadyLoading", "Consumer", "LoadFailed"]
@@ -73,7 +72,7 @@ JOB_WAIT_S = 0.05  # the worker wakes at least this often (deadlines, renewals, 
 MAX_OUTCOMES = 4096  # finished requests whose outcome wait_layer still answers
 
 
-class Consumer(FastPath, PushReceiver):
+class Consumer(FastPath, PushReceiver, ProducerNotices):
     """Loads requests into this rank's cache: thread-safe entry points, one worker thread.
 
     Threads and what each owns:
@@ -320,6 +319,8 @@ class Consumer(FastPath, PushReceiver):
                 self._fail(job.load, ErrorCode.CANCELLED, f"reservation ended by the engine: {job.reason}")
         elif isinstance(job, RenewNow):
             next_renew = self.clock()
+        elif isinstance(job, EngineCopied):
+            self._engine_copied(job)
         self._poll_plane()
         self._check_broken()
         now = self.clock()
@@ -526,15 +527,7 @@ class Consumer(FastPath, PushReceiver):
                 self._done_at.append(finished)
                 self._outcome(load.request_id, True)
                 self._signal_done()
-        for rr, peer in load.peers.items():
-            self.notifier.send(Notice(_rank_of(params, rr), self._done_notice(load, peer.meta.generation,
-                                                                              peer.token)))
-        if self.rank == 0:  # producer ranks no consumer rank reads still wait for one notice
-            unread = self.planner.unread_ranks(params.layout)
-            for r in params.ranks:
-                if r.rank in unread:
-                    self.notifier.send(Notice(r, self._done_notice(load, r.generation,
-                                                                   self.peers.token_for(params.engine_id, r))))
+        self._notify_done(params, load.peers)
         if not reported:
             return
         # stages: queue (start_load -> worker), plan (-> first read issued), transfer (-> last read
@@ -547,10 +540,6 @@ class Consumer(FastPath, PushReceiver):
                                          finished - read))
         logger.debug("request %s: loaded %d bytes in %.1f ms (started at %.6f, finished at %.6f)", load.request_id,
                      load.nbytes, (finished - load.started) * 1e3, load.started, finished)
-
-    def _done_notice(self, load: Load, generation: int, token: bytes) -> DoneNotice:
-        return DoneNotice(request_id=load.source.request_id, engine_id=self.engine_id, rank=self.rank,
-                          layout=self.layout, generation=generation, token=token)
 
     def _fail(self, load: Load, code: ErrorCode, why: str, timed_out: bool = False) -> None:
         """Report a load failed with its block ids (worker thread): its reads are stopped first."""
@@ -600,25 +589,3 @@ class Consumer(FastPath, PushReceiver):
                 self.plane.unregister(ids)
             except Exception as e:
                 report("consumer worker: unregister staging", e, f"request {load.request_id}")
-
-    def _send_abandon(self, p: KVTransferParams, reason: str) -> None:
-        """Tell every producer rank of ``p`` to free the request now (worker thread: it knows the tokens)."""
-        for r in p.ranks:
-            self.notifier.send(Notice(r, Abandon(request_id=p.request_id, generation=r.generation,
-                                                 reason=reason[:1000], token=self.peers.token_for(p.engine_id, r))))
-
-    def _renew_interval(self) -> float:
-        """A third of the shortest lease among waiting requests (the producer's, from params)."""
-        with self._lock:
-            leases = [p.lease_s for p in self._waiting.values()]
-        return min([self.lease_s, *leases]) / 3
-
-    def _renew_waiting(self) -> None:
-        with self._lock:
-            waiting = list(self._waiting.values())
-        for notice in renewals(waiting, self.peers.token_for):
-            self.notifier.send(notice)
-
-
-def _rank_of(params: KVTransferParams, rank: int) -> RemoteRank:
-    return next(r for r in params.ranks if r.rank == rank)

@@ -185,11 +185,24 @@ class Wake:
     """The data plane finished a batch: poll it now rather than at the next tick."""
 
 
+@dataclass
+class EngineCopied:
+    """The engine's own thread copied this load beside the agent (``EngineReads``): send its
+    done notices and count it. Times are ``time.monotonic`` in the engine's process."""
+
+    request_id: str
+    params: KVTransferParams
+    nbytes: int
+    started: float
+    planned: float
+    copied: float
+
+
 class Stop:
     pass
 
 
-Job = BeginLoad | AbandonRequest | PushNotice | EndReservation | RenewNow | Wake | Stop
+Job = BeginLoad | AbandonRequest | PushNotice | EndReservation | RenewNow | Wake | EngineCopied | Stop
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from kvxfer.cache.spec import KVCacheSpec
 from kvxfer.dataplane import DataPlane
@@ -35,6 +36,9 @@ class PeerTable:
         self.engine_id, self.rank, self.layout, self.spec, self.model = engine_id, rank, layout, spec, model
         self.secret, self.client, self.plane, self.stats = secret, client, plane, stats
         self._peers: dict[tuple[str, int], Peer] = {}
+        # told of each peer newly handshaken (its engine id and handshake), on the holder's thread;
+        # must be quick and never raise (a transfer agent passes it on to its engine)
+        self.on_new: Callable[[str, HandshakeResponse], None] | None = None
 
     def known(self, engine_id: str, r: RemoteRank) -> Peer | None:
         """The peer for ``r`` if handshaken at its generation (no network)."""
@@ -59,6 +63,11 @@ class PeerTable:
         self.plane.connect(peer_id, meta.data_address, token)
         peer = Peer(meta, token, peer_id, side, r.host, r.port)
         self._peers[key] = peer
+        if self.on_new is not None:
+            try:
+                self.on_new(engine_id, meta)
+            except Exception as e:
+                report("consumer: a new peer's listener", e, f"peer {peer_id}")
         return peer
 
     def forget(self, peer_id: str) -> None:

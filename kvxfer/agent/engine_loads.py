@@ -1,0 +1,125 @@
+"""Small loads copied by the engine's own thread, beside its transfer agent.
+
+Through an agent a 1-block load crosses two processes and back (engine -> agent -> engine), each
+woken cold: 0.6-0.8 ms on the test machine where NIXL, whose caller copies a CMA read itself,
+takes 0.25. A data plane that reads one-sided (``DataPlane.engine_reads``: cma) lets the engine's
+thread copy a small load in ``start_load`` instead, from producer ranks its agent has handshaken
+(the agent passes on each handshake's answer with its events): planned here from that answer, the
+way the consumer plans (:class:`kvxfer.transfer.load.Peer`'s direct plans), checked against the
+producer's hold board by the plane, copied, and reported at the next ``poll``. The agent is then
+told (``Loaded``, one-way) and sends the done notices, as for a load of its own.
+
+Anything else goes to the agent, which is always right: a load larger than
+``connector.engine_copy_bytes``, a producer not handshaken yet or of another generation, layouts
+that need a repack (staging), a hold not on the board, a failed copy or recheck.
+
+Threads: the engine's; the owning ``AgentConnector`` serialises calls (its ``_engine_lock``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from kvxfer.dataplane import Descriptors, EngineReads
+from kvxfer.protocol import HandshakeResponse, KVTransferParams
+from kvxfer.topology import ParallelLayout, SourceSlice, remote_sources
+from kvxfer.transfer.load import Peer
+from kvxfer.transfer.planner import SideLayout, concat
+
+logger = logging.getLogger(__name__)
+
+MAX_PEERS = 256  # producer ranks kept (the oldest is forgotten, its files unmapped)
+MAX_LAYOUTS = 64  # producer layouts whose slices are kept
+
+
+class EngineLoads:
+    """The engine's own small loads (see the module doc)."""
+
+    def __init__(self, reads: EngineReads, layout: ParallelLayout, tp_rank: int, pp_rank: int,
+                 local_side: SideLayout, max_bytes: int, bytes_per_block: int) -> None:
+        self.reads = reads
+        self.layout = layout
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.local_side = local_side
+        self.max_bytes = max_bytes
+        self.bytes_per_block = bytes_per_block
+        self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()  # (engine, rank) -> its latest generation
+        self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}
+        self.copied = 0  # loads copied here
+        self.passed = 0  # small loads passed to the agent
+
+    def learn(self, engine_id: str, meta: HandshakeResponse) -> None:
+        """The agent handshook with producer ``engine_id`` rank ``meta.rank``: read it here from now
+        on where the plane can (a producer it cannot read, or one whose layout needs a repack, is
+        left to the agent)."""
+        key = (engine_id, meta.rank)
+        old = self._peers.pop(key, None)
+        if old is not None:
+            self.reads.disconnect(old.peer_id)
+        side = SideLayout.from_remote(meta.spec, meta.regions)
+        if not self._direct(side):
+            return
+        peer_id = f"{engine_id}/{meta.rank}/{meta.generation}"
+        try:
+            self.reads.connect(peer_id, meta.data_address)
+        except ConnectionError as e:
+            logger.info("producer %s rank %d is loaded through the transfer agent only: %s", engine_id, meta.rank, e)
+            return
+        self._peers[key] = Peer(meta, b"", peer_id, side, "", 0)
+        while len(self._peers) > MAX_PEERS:
+            _, oldest = self._peers.popitem(last=False)
+            self.reads.disconnect(oldest.peer_id)
+
+    def load(self, params: KVTransferParams, local_blocks: np.ndarray, skip_tokens: int) -> tuple[int, float] | None:
+        """Copy a checked load (``local_blocks``: one id per local block of the prompt) now: its
+        bytes and when its reads were planned; None: the agent must load it."""
+        if len(local_blocks) * self.bytes_per_block > self.max_bytes:
+            return None
+        ranks = {r.rank: r for r in params.ranks}
+        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
+        reads: list[tuple[str, Descriptors]] = []
+        try:
+            for rr, sls in self._slices_by_rank(params.layout).items():
+                r = ranks.get(rr)
+                peer = self._peers.get((params.engine_id, rr))
+                if r is None or peer is None or peer.meta.generation != r.generation:
+                    self.passed += 1
+                    return None
+                reads.append((peer.peer_id, concat([
+                    peer.direct_plan(self.local_side, s, skip_tokens, params.num_tokens).descriptors(
+                        remote_blocks, local_blocks) for s in sls])))
+        except ValueError:  # a shape the planner refuses: the agent names it
+            self.passed += 1
+            return None
+        planned = time.monotonic()
+        if not self.reads.read(params.request_id, reads):
+            self.passed += 1
+            return None
+        self.copied += 1
+        return sum(d.nbytes for _, d in reads), planned
+
+    def close(self) -> None:
+        self._peers.clear()
+        self.reads.close()
+
+    def _direct(self, side: SideLayout) -> bool:
+        """Whether loads from a producer of this layout are direct reads (no staging, no repack):
+        the condition of :meth:`kvxfer.transfer.load_planner.LoadPlanner.plan_rank`."""
+        local = self.local_side
+        return side.layout == local.layout and not (side.head_factor == 2 and side.block_size != local.block_size)
+
+    def _slices_by_rank(self, layout: ParallelLayout) -> dict[int, list[SourceSlice]]:
+        by_rank = self._slices.get(layout)
+        if by_rank is None:
+            by_rank = {}
+            for s in remote_sources(self.layout, self.tp_rank, self.pp_rank, layout):
+                by_rank.setdefault(s.remote_rank, []).append(s)
+            if len(self._slices) >= MAX_LAYOUTS:
+                self._slices.clear()
+            self._slices[layout] = by_rank
+        return by_rank

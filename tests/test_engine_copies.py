@@ -1,0 +1,118 @@
+"""Small cma loads copied by the engine's own thread beside its transfer agent (``engine_copy_bytes``).
+
+Real agent processes, real cma reads; faults injected through the public API (a released hold, a
+killed producer agent) or by killing the agent process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+from test_agent import cfg, make, released, wait_for
+
+from kvxfer.agent.client import AgentConnector
+from kvxfer.config import InstanceConfig
+from kvxfer.connector import EngineConnector
+from kvxfer.protocol import ErrorCode
+
+Pair = tuple[EngineConnector, list[torch.Tensor], EngineConnector, list[torch.Tensor]]
+
+
+def with_connector(c: InstanceConfig, **changes: object) -> InstanceConfig:
+    return msgspec.structs.replace(c, connector=msgspec.structs.replace(c.connector, **changes))
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    consumer_changes, producer_changes = getattr(request, "param", ({}, {}))
+    p, pt = make(with_connector(cfg("prefill", "cma", hold_wait_s=0.3), **producer_changes), fill=1)
+    c, ct = make(with_connector(cfg("decode", "cma", transfer_s=5.0, hold_wait_s=0.3), **consumer_changes))
+    yield p, pt, c, ct
+    c.close()
+    p.close()
+
+
+def same(pt: list[torch.Tensor], src: list[int], ct: list[torch.Tensor], dst: list[int]) -> bool:
+    return all(torch.equal(a[src].view(torch.uint8), b[dst].view(torch.uint8)) for a, b in zip(pt, ct, strict=True))
+
+
+def first_load(p: EngineConnector, c: EngineConnector) -> None:
+    """A load through the agent: its handshake tells the engine the producer."""
+    c.start_load("first", p.hold("first", [0], 16), [0])
+    assert wait_for(c, "first").receiving == ["first"]
+
+
+def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pair: Pair) -> None:
+    p, pt, c, ct = pair
+    assert isinstance(c, AgentConnector)
+    first_load(p, c)
+    rids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        src, dst = [10 + i, 30 + i], [50 + i, 5 + i]
+        c.start_load(rid, p.hold(rid, src, 32), dst)
+        out = c.poll()  # no wait: the bytes are here when start_load returns
+        assert out.receiving == [rid] and not out.failed
+        assert same(pt, src, ct, dst)
+    s = c.stats()  # the agent counts the engine's copies too, by the time stats() answers
+    assert s["engine_copied_loads"] == 4 and s["loads_ok"] == 5 and s["loads_failed"] == 0
+    assert s["bytes_received"] == 9 * ct[0][0].numel() * ct[0].element_size() * len(ct)
+    assert released(p, ["first", *rids]) == sorted(["first", *rids])  # the agent sent their done notices
+    assert c.poll(0.1).receiving == []  # each reported once
+
+
+@pytest.mark.parametrize("pair", [({"engine_copy_bytes": 0}, {}), ({}, {"data_plane": {"one_sided": False}})],
+                         ids=["engine_copy_bytes 0", "producer without a board"], indirect=True)
+def test_the_agent_loads_what_the_engine_may_not_copy(pair: Pair) -> None:
+    p, pt, c, ct = pair
+    first_load(p, c)
+    for i in range(3):
+        rid = f"r{i}"
+        c.start_load(rid, p.hold(rid, [10 + i], 16), [20 + i])
+        assert wait_for(c, rid).receiving == [rid]
+        assert same(pt, [10 + i], ct, [20 + i])
+    assert c.stats()["engine_copied_loads"] == 0
+
+
+@pytest.mark.parametrize("pair", [({"engine_copy_bytes": 1}, {})], indirect=True)
+def test_a_load_larger_than_engine_copy_bytes_goes_to_the_agent(pair: Pair) -> None:
+    p, pt, c, ct = pair
+    first_load(p, c)
+    c.start_load("big", p.hold("big", [3, 4], 32), [40, 41])
+    assert wait_for(c, "big").receiving == ["big"]
+    assert same(pt, [3, 4], ct, [40, 41])
+    assert c.stats()["engine_copied_loads"] == 0
+
+
+def test_a_released_hold_is_not_copied_by_the_engine_and_fails_as_not_held(pair: Pair) -> None:
+    p, _, c, _ = pair
+    first_load(p, c)
+    params = p.hold("gone", [7], 16)
+    assert p.release("gone")
+    c.start_load("gone", params, [9])
+    out = wait_for(c, "gone")
+    assert out.failed == {"gone": [9]} and out.codes["gone"] is ErrorCode.NOT_HELD
+    s = c.stats()
+    assert s["engine_copied_loads"] == 0 and s["engine_passed_loads"] >= 1
+
+
+def test_a_dead_producer_agent_fails_the_load_through_the_agent_with_its_blocks(pair: Pair) -> None:
+    p, _, c, _ = pair
+    assert isinstance(p, AgentConnector) and p.process is not None
+    first_load(p, c)
+    params = p.hold("r1", [7], 16)
+    os.kill(p.process.pid, signal.SIGKILL)
+    p.process.wait(10)
+    t0 = time.monotonic()
+    c.start_load("r1", params, [9])
+    out = wait_for(c, "r1", timeout_s=30)
+    assert out.failed == {"r1": [9]} and out.codes["r1"] is not None
+    assert time.monotonic() - t0 < 5.0 + 1.0  # within transfer_s
+    assert c.stats()["engine_copied_loads"] == 0
+    # the engine forgot the producer it cannot read: the next load does not try it again
+    c.start_load("r2", params, [10])
+    assert wait_for(c, "r2", timeout_s=30).failed == {"r2": [10]}
