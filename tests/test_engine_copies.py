@@ -58,10 +58,16 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
         out = c.poll()  # no wait: the bytes are here when start_load returns
         assert out.receiving == [rid] and not out.failed
         assert same(pt, src, ct, dst)
+    # a prefix hit: only the blocks after it are written
+    before = [t[[60, 61]].clone() for t in ct]
+    c.wait("hit", params := p.hold("hit", [20, 21], 32))  # waiting first: its renewals end with the load
+    c.start_load("hit", params, [60, 61], num_cached_tokens=16)
+    assert c.poll().receiving == ["hit"]
+    assert same(pt, [21], ct, [61]) and all(torch.equal(b[0], t[60]) for b, t in zip(before, ct, strict=True))
     s = c.stats()  # the agent counts the engine's copies too, by the time stats() answers
-    assert s["engine_copied_loads"] == 4 and s["loads_ok"] == 5 and s["loads_failed"] == 0
-    assert s["bytes_received"] == 9 * ct[0][0].numel() * ct[0].element_size() * len(ct)
-    assert released(p, ["first", *rids]) == sorted(["first", *rids])  # the agent sent their done notices
+    assert s["engine_copied_loads"] == 5 and s["loads_ok"] == 6 and s["loads_failed"] == 0
+    assert s["bytes_received"] == 10 * ct[0][0].numel() * ct[0].element_size() * len(ct)
+    assert released(p, ["first", "hit", *rids]) == sorted(["first", "hit", *rids])  # the agent sent the done notices
     assert c.poll(0.1).receiving == []  # each reported once
 
 

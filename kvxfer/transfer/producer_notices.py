@@ -62,6 +62,8 @@ class ProducerNotices:
         """Loads the engine's own thread copied beside this consumer's agent (``EngineReads``):
         counted now, and the worker sends their done notices (``_engine_copied``)."""
         for job in copied:
+            with self._lock:  # no longer waiting: its holds are not renewed any more
+                self._waiting.pop(job.request_id, None)
             self.stats.load_started()
             self.stats.load_finished(job.copied - job.started, job.nbytes,
                                      stages=(0.0, job.planned - job.started, job.copied - job.planned, 0.0))
