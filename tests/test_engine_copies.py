@@ -66,6 +66,7 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
     assert same(pt, [21], ct, [61]) and all(torch.equal(b[0], t[60]) for b, t in zip(before, ct, strict=True))
     s = c.stats()  # the agent counts the engine's copies too, by the time stats() answers
     assert s["engine_copied_loads"] == 5 and s["loads_ok"] == 6 and s["loads_failed"] == 0
+    assert s["stage_loads"] == s["stage_handoffs"] == 6  # the bench's stages count every load once
     assert s["bytes_received"] == 10 * ct[0][0].numel() * ct[0].element_size() * len(ct)
     assert released(p, ["first", "hit", *rids]) == sorted(["first", "hit", *rids])  # the agent sent the done notices
     assert c.poll(0.1).receiving == []  # each reported once

@@ -106,6 +106,14 @@ class AgentMetrics(ConnectorMetrics):
         self.last: dict[str, float] = {}
         self.handoff_s = 0.0  # event sent by the agent until poll handed it to the engine
         self.handoffs = 0
+        self.copied_handoff_s = 0.0  # a load the engine copied, until poll handed it over
+        self.copied_handoffs = 0
+
+    def copied_handed_over(self, loads: int, seconds: float) -> None:
+        """``loads`` loads the engine copied itself reached ``poll``, ``seconds`` after their copies (summed)."""
+        with self._lock:
+            self.copied_handoffs += loads
+            self.copied_handoff_s += seconds
 
     def handed_over(self, loads: int, seconds: float) -> None:
         """``loads`` finished loads reached the engine's ``poll``, ``seconds`` after the agent sent them (summed)."""
@@ -126,7 +134,8 @@ class AgentMetrics(ConnectorMetrics):
         with self._lock:
             out = dict(self.last)
             # the handoff stage ends when the engine's poll has it: the agent's event hop counts too
-            out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s
+            out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s + self.copied_handoff_s
+            out["stage_handoffs"] = out.get("stage_handoffs", 0.0) + self.copied_handoffs  # the agent's count the rest
             out["agent_handoff_s"] = self.handoff_s
             out["agent_handoffs"] = float(self.handoffs)
         engine = owner._engine_loads if owner is not None else None
@@ -588,7 +597,7 @@ class AgentConnector:
         out.extend(carried)
         out.extend(copied)
         if copied_at:
-            self.metrics.handed_over(len(copied_at), len(copied_at) * time.monotonic() - sum(copied_at))
+            self.metrics.copied_handed_over(len(copied_at), len(copied_at) * time.monotonic() - sum(copied_at))
         self._read_events(0.0 if carried or copied else timeout_s, out)
         with self._lock:
             if self._failed:
