@@ -387,11 +387,10 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
                      regions: Sequence[MemoryRegion]) -> EngineReads | None:
         """The engine's thread copies small loads one-sided itself (``engine_reads.py``); its
         options are checked as the agent's plane checks them."""
-        plane_options = dict(options)
-        map_memory = plane_options.get("map_memory", True)
+        map_memory = options.get("map_memory", True)
         if not isinstance(map_memory, bool):
             raise ValueError(f"connector.data_plane.map_memory: expected true or false, got {map_memory!r}")
-        return CmaEngineReads(regions, map_memory, KEEP_GIL_BYTES)
+        return CmaEngineReads(regions, map_memory)
 
     # ------------------------------------------------------------------ both
     def counters(self) -> dict[str, float]:

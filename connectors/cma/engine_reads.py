@@ -3,8 +3,8 @@
 The same one-sided read as the plane's (:meth:`CmaDataPlane._read_one_sided`): the producer's hold
 board row and block ids read before the copy, the copy from this process's read-only mapping of
 the producer's file (``process_vm_readv`` where a region is not mapped), the row read again after.
-A copy of at most ``keep_gil_bytes`` keeps the GIL: released, a busy Python thread of the engine
-would keep it for a switch interval (5 ms) before the copy could report.
+The copy keeps the GIL, whatever its size (``connector.engine_copy_bytes`` bounds it): released
+per piece, a busy Python thread of the engine would keep it a switch interval (5 ms) each time.
 
 A load the board does not allow whole (not held yet, a push hold, a full board window, a producer
 without a board), a copy that fails, or a row that changed: False, and the agent loads it as
@@ -35,9 +35,8 @@ logger = logging.getLogger(__name__)
 class CmaEngineReads(EngineReads):
     """One-sided cma reads into the engine's own cache regions (see the module doc)."""
 
-    def __init__(self, regions: Sequence[MemoryRegion], map_memory: bool, keep_gil_bytes: int) -> None:
+    def __init__(self, regions: Sequence[MemoryRegion], map_memory: bool) -> None:
         self.map_memory = map_memory
-        self.keep_gil_bytes = keep_gil_bytes
         ids = np.array(sorted(r.region_id for r in regions), dtype=np.int64)
         by_id = {r.region_id: r for r in regions}
         self._ids = ids
@@ -83,14 +82,13 @@ class CmaEngineReads(EngineReads):
                 return False
             allowed.append((peer, d, local.bases, remote, row))
         for peer, d, local_bases, remote, _ in allowed:
-            keep_gil = d.nbytes <= self.keep_gil_bytes
             try:
                 if remote.mapped is not None:
                     iov = iovecs(d, local_bases, remote.mapped)
-                    copy_mapped(iov[0], iov[1], keep_gil=keep_gil)
+                    copy_mapped(iov[0], iov[1], keep_gil=True)
                 else:
                     iov = iovecs(d, local_bases, remote.bases)
-                    copy_from(peer.addr.pid, iov[0], iov[1], keep_gil=keep_gil, nbytes=d.nbytes)
+                    copy_from(peer.addr.pid, iov[0], iov[1], keep_gil=True, nbytes=d.nbytes)
             except OSError as e:
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
