@@ -45,7 +45,6 @@ from kvxfer.agent.messages import (
     GetStats,
     Held,
     Hold,
-    Loaded,
     Push,
     Ready,
     Refused,
@@ -71,7 +70,7 @@ from kvxfer.supervise import report
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading
-from kvxfer.transfer.load import checked_load_ids
+from kvxfer.transfer.load import EngineCopied, checked_load_ids
 from kvxfer.transfer.planner import SideLayout
 
 logger = logging.getLogger(__name__)
@@ -199,7 +198,7 @@ class AgentConnector:
         engine_cp, agent_cp = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._commands = Channel(engine_cmd, Reply)
         self._events = Channel(engine_evt, Event)
-        self._copied_channel = Channel(engine_cp, Reply)  # Loaded, sent only (messages.py)
+        self._copied_channel = Channel(engine_cp, Reply)  # EngineCopied, sent only (messages.py doc)
         fds = [agent_cmd.fileno(), agent_evt.fileno(), agent_cp.fileno(), *(t.fd for t in shared)]
         env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING}
         env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
@@ -501,10 +500,10 @@ class AgentConnector:
             self._copied.receiving.append(request_id)
             self._copied_at.append(copied)
             self._outcome_locked(request_id, True)
-        self._tell_copied(Loaded(request_id, params, nbytes, started, planned, copied))
+        self._tell_copied(EngineCopied(request_id, params, nbytes, started, planned, copied))
         return True
 
-    def _tell_copied(self, msg: Loaded) -> None:
+    def _tell_copied(self, msg: EngineCopied) -> None:
         """Tell the agent a load was copied here (it sends the done notices), on the channel it reads
         with its periodic events; never waits: if the agent left no room (stuck) or is gone, the
         producer's hold ends at its lease instead."""

@@ -7,7 +7,7 @@ thread copy a small load in ``start_load`` instead, from producer ranks its agen
 (the agent passes on each handshake's answer with its events): planned here from that answer, the
 way the consumer plans (:class:`kvxfer.transfer.load.Peer`'s direct plans), checked against the
 producer's hold board by the plane, copied, and reported at the next ``poll``. The agent is then
-told (``Loaded``, one-way) and sends the done notices, as for a load of its own.
+told (``EngineCopied``, one-way) and sends the done notices, as for a load of its own.
 
 Anything else goes to the agent, which is always right: a load larger than
 ``connector.engine_copy_bytes``, a producer not handshaken yet or of another generation, layouts

@@ -2,8 +2,9 @@
 
 Commands go engine -> agent on the command channel, each answered by one reply. Events go
 agent -> engine on the event channel, unasked: what finished, and when the agent sent it. Loads
-the engine copied itself go engine -> agent on the copied channel, which the agent reads only
-with its periodic events (so a small load wakes no agent thread).
+the engine copied itself go engine -> agent on the copied channel
+(:class:`kvxfer.transfer.load.EngineCopied`), which the agent reads only with its periodic events
+(so a small load wakes no agent thread).
 """
 
 from __future__ import annotations
@@ -67,20 +68,6 @@ class StartLoad(msgspec.Struct, frozen=True, tag=True):
     params: KVTransferParams
     local_block_ids: list[int]
     num_cached_tokens: int
-
-
-class Loaded(msgspec.Struct, frozen=True, tag=True):
-    """On the copied channel (engine -> agent, never answered): the engine's own thread copied this
-    load (``EngineReads``); the agent sends its done notices, as for a load of its own, and counts
-    it. Times: ``time.monotonic`` when the load started, its reads were planned, and its bytes were
-    copied and rechecked."""
-
-    request_id: str
-    params: KVTransferParams
-    nbytes: int
-    started: float
-    planned: float
-    copied: float
 
 
 class Wait(msgspec.Struct, frozen=True, tag=True):

@@ -40,7 +40,6 @@ from kvxfer.agent.messages import (
     Held,
     HistogramState,
     Hold,
-    Loaded,
     PeerKnown,
     Push,
     Ready,
@@ -84,7 +83,7 @@ class Agent:
     def __init__(self, commands: Channel, events: Channel, copied: Channel | None = None) -> None:
         self.commands = commands
         self.events = events
-        self.copied = copied  # Loaded, from the engine: read under _copied_lock (_take_copied)
+        self.copied = copied  # EngineCopied, from the engine: read under _copied_lock (_take_copied)
         self._copied_lock = threading.Lock()
         self.conn: Connector | None = None
         self._stop = threading.Event()
@@ -268,7 +267,7 @@ class Agent:
         return after
 
     def _take_copied(self) -> None:
-        """Loads the engine copied itself (``Loaded`` on the copied channel), passed on together:
+        """Loads the engine copied itself (``EngineCopied`` on the copied channel), passed on together:
         the event thread takes them each turn, so their done notices go out together (one round
         trip to each producer every EVENT_WAIT_S at most, not a chain of wake-ups in both agents
         per load while the engine's next load wants the CPU); ``GetStats`` takes them first, so
@@ -281,9 +280,8 @@ class Agent:
             try:
                 while self.copied is not None and self.copied.has_next():
                     m = self.copied.recv(0)
-                    if isinstance(m, Loaded):
-                        copied.append(EngineCopied(m.request_id, m.params, m.nbytes, m.started, m.planned,
-                                                   m.copied))
+                    if isinstance(m, EngineCopied):
+                        copied.append(m)
             except ChannelClosed:  # the engine is gone or sent garbage: the command loop ends us
                 self.copied = None
         if copied:
@@ -405,7 +403,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the engine, which then stops us
     commands = Channel(socket.socket(fileno=int(argv[0])), Command)
     events = Channel(socket.socket(fileno=int(argv[1])), Event)
-    copied = Channel(socket.socket(fileno=int(argv[2])), Loaded)
+    copied = Channel(socket.socket(fileno=int(argv[2])), EngineCopied)
     return Agent(commands, events, copied).run()
 
 

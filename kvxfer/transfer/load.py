@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvxfer.dataplane import Descriptors
@@ -185,10 +186,12 @@ class Wake:
     """The data plane finished a batch: poll it now rather than at the next tick."""
 
 
-@dataclass
-class EngineCopied:
-    """The engine's own thread copied this load beside the agent (``EngineReads``): send its
-    done notices and count it. Times are ``time.monotonic`` in the engine's process."""
+class EngineCopied(msgspec.Struct, frozen=True, tag=True):
+    """The engine's own thread copied this load beside its transfer agent (``EngineReads``): the
+    agent sends its done notices and counts it. A wire type too: the engine sends it on the
+    agent's copied channel (:mod:`kvxfer.agent.messages`), and the agent queues it for the
+    consumer's worker as it came. Times: ``time.monotonic`` when the load started, its reads
+    were planned, and its bytes were copied and rechecked."""
 
     request_id: str
     params: KVTransferParams
