@@ -233,6 +233,10 @@ class EngineReads(ABC):
         """Forget a producer (restarted, or unreadable)."""
 
     @abstractmethod
+    def connected(self, peer_id: str) -> bool:
+        """Whether the producer is still read from here (it may have been forgotten as unreadable)."""
+
+    @abstractmethod
     def read(self, request_id: str, reads: Sequence[tuple[str, Descriptors]]) -> bool:
         """Copy all of ``reads`` (peer id, descriptors; ``local_*`` in this process's regions) for
         the producer's ``request_id`` now, checked against its holds, or report False: then the

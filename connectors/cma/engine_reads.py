@@ -57,6 +57,9 @@ class CmaEngineReads(EngineReads):
     def disconnect(self, peer_id: str) -> None:
         unmap(self._peers.pop(peer_id, None))
 
+    def connected(self, peer_id: str) -> bool:
+        return peer_id in self._peers
+
     def read(self, request_id: str, reads: Sequence[tuple[str, Descriptors]]) -> bool:
         allowed: list[tuple[Peer, Descriptors, np.ndarray, Pieces, np.ndarray]] = []
         for peer_id, d in reads:

@@ -86,6 +86,8 @@ AGENT_GRACE_S = 15.0
 # the agent's main thread to the first place; the agent keeps the engine thread's CPU mask instead
 OPENMP_BINDING = frozenset({"OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"})
 MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
+MAX_UNTOLD = 65536  # copied loads kept for an agent that reads none of them (stuck): then given up (logged)
+COPIED_BUFFER = 4 << 20  # the copied channel's send buffer: loads told between two of the agent's reads
 
 
 @dataclass
@@ -140,6 +142,7 @@ class AgentMetrics(ConnectorMetrics):
         engine = owner._engine_loads if owner is not None else None
         out["engine_copied_loads"] = float(engine.copied if engine is not None else 0)
         out["engine_passed_loads"] = float(engine.passed if engine is not None else 0)
+        out["engine_producers"] = float(engine.producers if engine is not None else 0)
         if owner is None or owner.broken is not None:
             out["broken"] = 1.0
         return out
@@ -177,6 +180,7 @@ class AgentConnector:
         self._engine_lock = threading.Lock()  # one thread in _engine_loads at a time
         self._copied = Finished()  # loads _engine_loads copied, reported at the next poll
         self._copied_at: list[float] = []  # when each was copied (the handoff stage)
+        self._untold: list[EngineCopied] = []  # copied loads the agent has not been sent yet (_tell_copied)
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
 
@@ -198,6 +202,7 @@ class AgentConnector:
         engine_cp, agent_cp = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._commands = Channel(engine_cmd, Reply)
         self._events = Channel(engine_evt, Event)
+        engine_cp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, COPIED_BUFFER)  # a burst, between its reads
         self._copied_channel = Channel(engine_cp, Reply)  # EngineCopied, sent only (messages.py doc)
         fds = [agent_cmd.fileno(), agent_evt.fileno(), agent_cp.fileno(), *(t.fd for t in shared)]
         env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING}
@@ -478,8 +483,9 @@ class AgentConnector:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
 
     def _copy_here(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> bool:
-        """A recorded load copied by this thread (engine_loads.py); False: the agent must load it."""
-        if not self._engine_lock.acquire(blocking=False):
+        """A recorded load copied by this thread (engine_loads.py); False: the agent must load it
+        (as it must every load once it says it is broken: it fails them, as without copies here)."""
+        if self._broken is not None or not self._engine_lock.acquire(blocking=False):
             return False
         started = time.monotonic()
         try:
@@ -488,6 +494,10 @@ class AgentConnector:
         except Exception as e:  # a bug here must not fail a load the agent can make
             report("engine reads", e, f"request {request_id} (loaded by the transfer agent instead)")
             got = None
+        except BaseException:  # interrupted: the load never started (the caller gets the exception)
+            with self._lock:
+                self._loads.pop(request_id, None)
+            raise
         finally:
             self._engine_lock.release()
         if got is None:
@@ -500,27 +510,38 @@ class AgentConnector:
             self._copied.receiving.append(request_id)
             self._copied_at.append(copied)
             self._outcome_locked(request_id, True)
-        self._tell_copied(EngineCopied(request_id, params, nbytes, started, planned, copied))
+            self._untold.append(EngineCopied(request_id, params, nbytes, started, planned, copied))
+        self._tell_copied()
         return True
 
-    def _tell_copied(self, msg: EngineCopied) -> None:
-        """Tell the agent a load was copied here (it sends the done notices), on the channel it reads
-        with its periodic events; never waits: if the agent left no room (stuck) or is gone, the
-        producer's hold ends at its lease instead."""
+    def _tell_copied(self) -> None:
+        """Tell the agent which loads were copied here (it sends their done notices), on the channel
+        it reads with its periodic events; never waits: what the socket has no room for now stays
+        in ``_untold`` for the next call (a later load's, or ``poll``). If the agent is gone, or
+        ``MAX_UNTOLD`` wait, the producers' holds end at their leases instead (logged)."""
         ch = self._copied_channel
+        with self._lock:
+            untold, self._untold = self._untold, []
+        if not untold:
+            return
         why = None
         if ch is None or self._dead is not None:
             why = self._dead or "no agent"
-        elif not ch.writable():
-            why = "the agent has not read the ones before"
         else:
             try:
-                ch.send(msg, COMMAND_S)
+                while untold and ch.writable():
+                    ch.send(untold[0], COMMAND_S)
+                    untold.pop(0)
             except (ChannelClosed, TimeoutError, OSError) as e:
                 why = str(e)
-        if why is not None:
-            logger.warning("rank %d: request %s was loaded, but its producers are not told (%s); their holds end "
-                           "at their leases", self.rank, msg.request_id, why)
+        if why is None and len(untold) <= MAX_UNTOLD:
+            with self._lock:
+                self._untold[:0] = untold
+            return
+        if why is None:
+            why = f"the agent has not read {len(untold)} before them"
+        logger.warning("rank %d: %d loads (request %s, ...) were loaded, but their producers are not told (%s); "
+                       "their holds end at their leases", self.rank, len(untold), untold[0].request_id, why)
 
     def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                 num_cached_tokens: int = 0) -> PushTarget:
@@ -595,6 +616,8 @@ class AgentConnector:
             copied_at, self._copied_at = self._copied_at, []
         out.extend(carried)
         out.extend(copied)
+        if self._untold:
+            self._tell_copied()
         if copied_at:
             self.metrics.copied_handed_over(len(copied_at), len(copied_at) * time.monotonic() - sum(copied_at))
         self._read_events(0.0 if carried or copied else timeout_s, out)
@@ -631,8 +654,11 @@ class AgentConnector:
         if ev.peers and self._engine_loads is not None:
             with self._engine_lock:
                 for p in ev.peers:
-                    if self._engine_loads is not None:
-                        self._engine_loads.learn(p.engine_id, p.meta)
+                    try:
+                        if self._engine_loads is not None:
+                            self._engine_loads.learn(p.engine_id, p.meta)
+                    except Exception as e:  # its loads go to the agent, as they did
+                        report("engine reads", e, f"producer {p.engine_id} rank {p.meta.rank} (read by the agent)")
         with self._lock:
             done = [(rid, self._loads.pop(rid)) for rid in ev.receiving if rid in self._loads]
             failed = [rid for rid in ev.failed if self._loads.pop(rid, None) is not None]

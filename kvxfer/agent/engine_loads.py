@@ -78,7 +78,7 @@ class EngineLoads:
     def load(self, params: KVTransferParams, local_blocks: np.ndarray, skip_tokens: int) -> tuple[int, float] | None:
         """Copy a checked load (``local_blocks``: one id per local block of the prompt) now: its
         bytes and when its reads were planned; None: the agent must load it."""
-        if len(local_blocks) * self.bytes_per_block > self.max_bytes:
+        if (len(local_blocks) - skip_tokens // self.local_side.block_size) * self.bytes_per_block > self.max_bytes:
             return None
         ranks = {r.rank: r for r in params.ranks}
         remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
@@ -102,6 +102,11 @@ class EngineLoads:
             return None
         self.copied += 1
         return sum(d.nbytes for _, d in reads), planned
+
+    @property
+    def producers(self) -> int:
+        """Producer ranks this engine may read now (its ``EngineReads`` forgets one it cannot read)."""
+        return sum(1 for p in self._peers.values() if self.reads.connected(p.peer_id))
 
     def close(self) -> None:
         self._peers.clear()

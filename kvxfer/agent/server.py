@@ -282,7 +282,10 @@ class Agent:
                     m = self.copied.recv(0)
                     if isinstance(m, EngineCopied):
                         copied.append(m)
-            except ChannelClosed:  # the engine is gone or sent garbage: the command loop ends us
+            except ChannelClosed as e:  # the engine is gone (the command loop ends us) or sent garbage
+                logger.warning("transfer agent rank %d: the copied channel closed (%s); loads the engine copies "
+                               "from now on are not told to their producers (their holds end at their leases)",
+                               conn.rank, e)
                 self.copied = None
         if copied:
             conn.consumer.loaded_by_engine(copied)

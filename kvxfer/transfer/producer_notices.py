@@ -16,6 +16,7 @@ import threading
 
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import Abandon, DoneNotice, KVTransferParams, RemoteRank
+from kvxfer.supervise import describe
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.load import EngineCopied, Job, Notice, Peer
 from kvxfer.transfer.load_planner import LoadPlanner
@@ -74,12 +75,13 @@ class ProducerNotices:
         ranks = {r.rank: r for r in params.ranks}
         peers: dict[int, Peer] = {}
         for rr in self.planner.slices_by_rank(params):
-            peer = self.peers.known(params.engine_id, ranks[rr]) if rr in ranks else None
-            if peer is None:  # forgotten since (a failed read): its hold ends at its lease instead
-                logger.info("request %s: producer %s rank %d is not known any more; no done notice for it",
-                            job.request_id, params.engine_id, rr)
+            if rr not in ranks:
                 continue
-            peers[rr] = peer
+            try:  # known; or forgotten since (a failed read of another load): handshaken again, for its token
+                peers[rr] = self.peers.get(params.engine_id, ranks[rr])
+            except Exception as e:  # gone or restarted since the copy: its hold ends with it, or at its lease
+                logger.info("request %s: no done notice for producer %s rank %d: %s", job.request_id,
+                            params.engine_id, rr, describe(e))
         self._notify_done(params, peers)
 
     def _send_abandon(self, p: KVTransferParams, reason: str) -> None:
