@@ -368,7 +368,16 @@ def join_adjacent(dst: np.ndarray, src: np.ndarray, size: np.ndarray,
     if not joins.any():
         return dst, src, size, same
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return dst[starts], src[starts], np.add.reduceat(size, starts), None if same is None else same[starts]
+    return dst[starts], src[starts], run_sums(size, starts), None if same is None else same[starts]
+
+
+def run_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The sum of each run of ``values`` beginning at ``starts`` (increasing, the first 0): what
+    ``np.add.reduceat`` gives, without its release of the GIL whatever the size (an engine's
+    thread planning or copying a small load would hand the GIL to any busy thread of the engine
+    for a switch interval)."""
+    ends = np.cumsum(values)
+    return ends[np.append(starts[1:] - 1, len(values) - 1)] - ends[starts] + values[starts]
 
 
 def region_array(r: MemoryRegion) -> np.ndarray:

@@ -66,7 +66,11 @@ def pieces(cache: dict[bytes, Pieces], ids: np.ndarray, sizes: np.ndarray, bases
     if hit is None:
         if not len(ids):
             return None
-        pos = np.minimum(np.searchsorted(ids, regions), len(ids) - 1)
+        if len(regions) <= MAX_KEPT_PIECES:  # np.searchsorted releases the GIL (the engine's copies keep it)
+            at = {r: i for i, r in enumerate(ids.tolist())}
+            pos = np.array([at.get(r, 0) for r in regions.tolist()], dtype=np.int64)
+        else:
+            pos = np.minimum(np.searchsorted(ids, regions), len(ids) - 1)
         if not (ids[pos] == regions).all():
             return None
         here = None if mapped is None else mapped[pos]

@@ -10,8 +10,14 @@ producer's hold board by the plane, copied, and reported at the next ``poll``. T
 told (``EngineCopied``, one-way) and sends the done notices, as for a load of its own.
 
 Anything else goes to the agent, which is always right: a load larger than
-``connector.engine_copy_bytes``, a producer not handshaken yet or of another generation, layouts
-that need a repack (staging), a hold not on the board, a failed copy or recheck.
+``connector.engine_copy_bytes`` or of more than ``MAX_PIECES`` pieces, a producer not handshaken
+yet or of another generation, layouts that need a repack (staging), a hold not on the board, a
+failed copy or recheck.
+
+The GIL is never released here, from planning to the recheck: a busy Python thread of the engine
+given it keeps it a switch interval (5 ms), ten times a load. So no numpy call that releases it
+whatever the size (``searchsorted``, ``sort``, ``add.reduceat``, the copy of a broadcast view:
+the planner and the board check avoid them), and no array over numpy's threshold (``MAX_PIECES``).
 
 Threads: the engine's; the owning ``AgentConnector`` serialises calls (its ``_engine_lock``).
 """
@@ -24,16 +30,20 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvxfer.dataplane import Descriptors, EngineReads
+from kvxfer.dataplane import EngineReads
 from kvxfer.protocol import HandshakeResponse, KVTransferParams
 from kvxfer.topology import ParallelLayout, SourceSlice, remote_sources
 from kvxfer.transfer.load import Peer
-from kvxfer.transfer.planner import SideLayout, concat
+from kvxfer.transfer.planner import DirectPlan, SideLayout, concat
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # producer ranks kept (the oldest is forgotten, its files unmapped)
 MAX_LAYOUTS = 64  # producer layouts whose slices are kept
+# numpy releases the GIL in element-wise loops over more than 500 elements (NPY_BEGIN_THREADS_THRESHOLDED),
+# and a busy thread of the engine given it keeps it a switch interval (5 ms): loads of more pieces
+# than this go to the agent, so every array the engine's copy makes stays under that
+MAX_PIECES = 500
 
 
 class EngineLoads:
@@ -82,7 +92,7 @@ class EngineLoads:
             return None
         ranks = {r.rank: r for r in params.ranks}
         remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
-        reads: list[tuple[str, Descriptors]] = []
+        plans: list[tuple[Peer, list[DirectPlan]]] = []
         try:
             for rr, sls in self._slices_by_rank(params.layout).items():
                 r = ranks.get(rr)
@@ -90,12 +100,16 @@ class EngineLoads:
                 if r is None or peer is None or peer.meta.generation != r.generation:
                     self.passed += 1
                     return None
-                reads.append((peer.peer_id, concat([
-                    peer.direct_plan(self.local_side, s, skip_tokens, params.num_tokens).descriptors(
-                        remote_blocks, local_blocks) for s in sls])))
+                plans.append((peer, [peer.direct_plan(self.local_side, s, skip_tokens, params.num_tokens)
+                                     for s in sls]))
         except ValueError:  # a shape the planner refuses: the agent names it
             self.passed += 1
             return None
+        if sum(len(plan.length) for _, ps in plans for plan in ps) > MAX_PIECES:
+            self.passed += 1
+            return None
+        reads = [(peer.peer_id, concat([plan.descriptors(remote_blocks, local_blocks) for plan in ps]))
+                 for peer, ps in plans]
         planned = time.monotonic()
         if not self.reads.read(params.request_id, reads):
             self.passed += 1

@@ -26,7 +26,7 @@ import torch
 
 from kvxfer.cache.spec import QUANT_HEADER_BYTES, KVCacheSpec, torch_dtype
 from kvxfer.cache.tensors import KVCache, MemoryRegion
-from kvxfer.dataplane import Descriptors
+from kvxfer.dataplane import Descriptors, run_sums
 from kvxfer.protocol import RegionInfo, SpecInfo
 from kvxfer.repack import place_heads, to_local
 from kvxfer.topology import SourceSlice
@@ -34,6 +34,7 @@ from kvxfer.topology import SourceSlice
 # The fused order kvxfer can re-cut between block sizes: vLLM's CPU vec/vec16 kernels keep, per
 # block and head, K transposed ([head_size][block_size]) and then V token-major ([block_size][head_size])
 FUSED_REPACKABLE = "vec"
+SMALL_RANGE = 512  # int_range: ranges up to this long are built from Python's range (the GIL kept)
 
 
 def spec_info(s: KVCacheSpec) -> SpecInfo:
@@ -136,9 +137,9 @@ def coalesce(rr: np.ndarray, ro: np.ndarray, lr: np.ndarray, lo: np.ndarray, ln:
     starts[1:] = ~((rr[1:] == rr[:-1]) & (lr[1:] == lr[:-1])
                    & (ro[1:] == ro[:-1] + ln[:-1]) & (lo[1:] == lo[:-1] + ln[:-1]))
     idx = np.flatnonzero(starts)
-    lengths = np.add.reduceat(ln, idx)
+    lengths = run_sums(ln, idx)
     rr, ro, lr, lo = (np.ascontiguousarray(a[idx]) for a in (rr, ro, lr, lo))
-    return Descriptors(rr, ro, lr, lo, np.ascontiguousarray(lengths))
+    return Descriptors(rr, ro, lr, lo, lengths)
 
 
 def concat(parts: list[Descriptors]) -> Descriptors:
@@ -157,6 +158,13 @@ def check_alignment(skip_tokens: int, remote_bs: int, local_bs: int) -> None:
             f"num_cached_tokens={skip_tokens} must be a multiple of both block sizes "
             f"(remote {remote_bs}, local {local_bs}); pass the largest such prefix and fresh blocks for the rest"
         )
+
+
+def int_range(*args: int) -> np.ndarray:
+    """``np.arange(*args)`` as int64: from Python's ``range`` when short, as numpy's fills more
+    than two elements with the GIL released (an engine's thread plans small loads, engine_loads.py)."""
+    r = range(*args)
+    return np.array(r, dtype=np.int64) if len(r) <= SMALL_RANGE else np.arange(*args, dtype=np.int64)
 
 
 def plan_direct(remote: SideLayout, local: SideLayout, sl: SourceSlice, remote_blocks: np.ndarray,
@@ -204,33 +212,33 @@ class DirectPlan:
         if remote.layout == "NHD":
             if full:  # token runs of min(R, L) tokens, every head at once
                 u = min(R, L)
-                p = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
+                p = int_range(skip_tokens, num_tokens, u)
                 n_tok = np.minimum(u, num_tokens - p)
                 r_in = (p % R) * remote.num_heads * rowb
                 l_in = (p % L) * local.num_heads * rowb
                 length = n_tok * remote.num_heads * rowb
             else:  # one token's slice of heads
-                p = np.arange(skip_tokens, num_tokens, dtype=np.int64)
+                p = int_range(skip_tokens, num_tokens)
                 r_in = ((p % R) * remote.num_heads + r_head0) * rowb
                 l_in = ((p % L) * local.num_heads + l_head0) * rowb
                 length = np.full(len(p), nh * rowb, dtype=np.int64)
         elif full and R == L:  # HND, all heads, one block size: whole blocks, one piece each
-            p = np.arange(skip_tokens, num_tokens, R, dtype=np.int64)  # skip_tokens is block-aligned
+            p = int_range(skip_tokens, num_tokens, R)  # skip_tokens is block-aligned
             block_bytes = R * nh * rowb
             length = np.full(len(p), block_bytes, dtype=np.int64)
             r_in = np.zeros(len(p), dtype=np.int64)
             l_in = np.zeros(len(p), dtype=np.int64)
             tail = num_tokens - p[-1] if len(p) else R
             if f == 1 and tail < R:  # a partial last block: each head's valid rows (a fused block moves whole)
-                h = np.arange(nh, dtype=np.int64)
+                h = int_range(nh)
                 p = np.concatenate([p[:-1], np.full(nh, p[-1], dtype=np.int64)])
                 r_in = np.concatenate([r_in[:-1], h * R * rowb])
                 l_in = np.concatenate([l_in[:-1], h * L * rowb])
                 length = np.concatenate([length[:-1], np.full(nh, tail * rowb, dtype=np.int64)])
         else:  # HND: per head, token runs of min(R, L)
             u = min(R, L)
-            p1 = np.arange(skip_tokens, num_tokens, u, dtype=np.int64)
-            h = np.arange(nh, dtype=np.int64)
+            p1 = int_range(skip_tokens, num_tokens, u)
+            h = int_range(nh)
             hh, p = np.meshgrid(h, p1, indexing="ij")  # head-major, so runs of a head coalesce
             hh, p = hh.ravel(), p.ravel()
             # a fused block's rows are in its engine's own order: always whole blocks
@@ -241,10 +249,11 @@ class DirectPlan:
         # every (layer, K/V) pair at once: [pairs, 1] against [1, units]
         r_loc = remote.locations(sl.layers)  # [pairs, 3]: region, inner, stride
         l_loc = local.locations(sl.layers)
-        n = len(r_loc), len(p)
-        rr = np.broadcast_to(r_loc[:, :1], n).ravel()
-        lr = np.broadcast_to(l_loc[:, :1], n).ravel()
-        ln = np.broadcast_to(length.astype(np.int64, copy=False)[None, :], n).ravel()
+        # np.repeat and np.tile, not a copy of a broadcast view: that copy releases the GIL whatever
+        # its size, which an engine's thread planning a small load must not (engine_loads.py)
+        rr = np.repeat(r_loc[:, 0], len(p))
+        lr = np.repeat(l_loc[:, 0], len(p))
+        ln = np.tile(length.astype(np.int64, copy=False), len(r_loc))
         mergeable = bool(((rr[1:] == rr[:-1]) & (lr[1:] == lr[:-1])).any())
         for a in (rr, lr, ln):  # handed out as they are when nothing can merge: never written
             a.flags.writeable = False

@@ -1,0 +1,133 @@
+"""What the engine's thread runs for a small cma load keeps the GIL, from planning to the recheck.
+
+A busy Python thread of the engine that is handed the GIL keeps it a switch interval (5 ms): ten
+times a 1-block load. numpy releases it in some calls whatever their size (``searchsorted``,
+``sort``, ``add.reduceat``, the copy of a broadcast view) and in element-wise loops over more than
+500 elements; the engine's path avoids the first and stays under the second (``MAX_PIECES``).
+These tests count, with forced switches made 60 s apart, how often another thread got the GIL
+while each step ran, on every cache layout the planner knows. A release of a few nanoseconds is
+seen only now and then (the waiting thread must wake in time), so each step runs hundreds of
+times; found with a counting ``PyEval_SaveThread`` preloaded, every step here counted none. The end-to-end check, through real
+agents: ``test_agent.py::test_start_load_and_the_polls_that_see_it_finish_keep_the_gil``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from kvxfer.connectors.cma.peer import pieces
+
+from kvxfer.agent.engine_loads import MAX_PIECES
+from kvxfer.cache import KVCacheSpec, allocate_kv_cache
+from kvxfer.dataplane import join_adjacent, run_sums
+from kvxfer.topology import SourceSlice
+from kvxfer.transfer.hold_board import SMALL_CHECK, blocks_held
+from kvxfer.transfer.planner import DirectPlan, SideLayout
+
+
+def releases(fn: Callable[[], object], calls: int = 300) -> int:
+    """How many times another Python thread ran while ``fn`` was called ``calls`` times."""
+    ticks, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # gives the GIL back at once
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=count, daemon=True)
+    sys.setswitchinterval(60.0)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while ticks[0] < 3:
+            assert time.monotonic() < deadline, "the counting thread did not run"
+            time.sleep(0.001)
+        before = ticks[0]
+        for _ in range(calls):
+            fn()
+        return ticks[0] - before
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join(timeout=5)
+
+
+def test_the_count_sees_a_call_that_releases_the_gil() -> None:
+    assert releases(lambda: time.sleep(0), 50) > 0
+
+
+def side(layout: str, block_size: int, heads: int = 8, layers: int = 4, **kw: object) -> SideLayout:
+    spec = KVCacheSpec(num_layers=layers, num_kv_heads=heads, head_size=16, block_size=block_size, layout=layout,
+                       **kw)  # type: ignore[arg-type]
+    return SideLayout.from_cache(allocate_kv_cache(spec, 64, huge_pages=False))
+
+
+def heads(remote: range, local: range) -> SourceSlice:
+    return SourceSlice(remote_tp_rank=0, remote_pp_rank=0, remote_rank=0, layers=range(4), remote_heads=remote,
+                       local_heads=local)
+
+
+ALL, HALF = heads(range(8), range(8)), heads(range(4, 8), range(4))
+SHAPES = [  # (remote, local, slice): every branch of DirectPlan.build, coalescing plans among them
+    ("NHD", 16, {}, "NHD", 16, {}, ALL),
+    ("NHD", 16, {}, "NHD", 32, {}, ALL),
+    ("NHD", 16, {}, "NHD", 16, {}, HALF),
+    ("HND", 16, {}, "HND", 16, {}, ALL),
+    ("HND", 16, {"kv_split": False}, "HND", 16, {"kv_split": False}, ALL),
+    ("HND", 16, {}, "HND", 32, {}, ALL),
+    ("HND", 16, {"kv_fused": True}, "HND", 16, {"kv_fused": True}, HALF),
+    ("NHD", 16, {"cross_layer": True}, "NHD", 16, {"cross_layer": True}, ALL),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{s[0]}{s[1]}-{s[3]}{s[4]}-{i}" for i, s in enumerate(SHAPES)])
+@pytest.mark.parametrize("tokens", [(0, 16), (0, 40), (32, 64)], ids=["1block", "partial", "skip"])
+def test_planning_a_small_load_keeps_the_gil(shape: tuple, tokens: tuple[int, int]) -> None:
+    r_layout, r_bs, r_kw, l_layout, l_bs, l_kw, sl = shape
+    if sl is HALF:
+        remote, local = side(r_layout, r_bs, **r_kw), side(l_layout, l_bs, heads=4, **l_kw)
+    else:
+        remote, local = side(r_layout, r_bs, **r_kw), side(l_layout, l_bs, **l_kw)
+    skip, num = tokens
+    if skip % max(r_bs, l_bs) or (r_kw.get("kv_fused") and r_bs != l_bs):
+        pytest.skip("not a load the planner takes")
+    plan = DirectPlan.build(remote, local, sl, skip, num)
+    assert 0 < len(plan.length) <= MAX_PIECES
+    rb = np.arange(-(-num // r_bs), dtype=np.int64) * 3 + 1
+    lb = np.arange(-(-num // l_bs), dtype=np.int64) * 5 + 2
+    assert releases(lambda: DirectPlan.build(remote, local, sl, skip, num)) == 0
+    assert releases(lambda: plan.descriptors(rb, lb)) == 0
+    ends = np.cumsum(plan.length)  # every piece adjacent to the next: all join
+    assert releases(lambda: join_adjacent(ends, ends, plan.length)) == 0
+    ids, eight = np.array(range(8), dtype=np.int64), np.full(8, 1 << 30, dtype=np.int64)
+    regions = plan.remote_region % 8
+    assert releases(lambda: pieces({}, ids, eight, eight, eight, regions)) == 0  # a region pattern not seen before
+
+
+def test_the_board_check_keeps_the_gil_and_answers_as_searchsorted() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        held = np.unique(rng.integers(0, 40, int(rng.integers(1, 20))))
+        first = rng.integers(0, 40, int(rng.integers(1, 64)))
+        last = first + rng.integers(0, 3, len(first))
+        inside = held.searchsorted(last, side="right") - held.searchsorted(first, side="left")
+        assert blocks_held(first, last, held) == bool((inside == last - first + 1).all())
+    first = np.repeat(np.arange(8, dtype=np.int64), SMALL_CHECK // 8)
+    held = np.arange(8, dtype=np.int64)
+    assert blocks_held(first, first, held) and not blocks_held(first, first + 8, held)
+    assert releases(lambda: blocks_held(first, first, held)) == 0
+
+
+def test_run_sums_are_reduceat() -> None:
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 7, 64, 1000):
+        values = rng.integers(1, 1 << 20, n)
+        for _ in range(20):
+            starts = np.flatnonzero(np.concatenate(([True], rng.random(n - 1) < 0.3)))
+            assert np.array_equal(run_sums(values, starts), np.add.reduceat(values, starts))
