@@ -220,6 +220,9 @@ class EngineReads(ABC):
     thread that calls ``start_load``, as NIXL's caller does, from producers the agent has
     handshaken (``connect`` with what their handshake published). It is only ever an
     optimisation: a read it cannot make whole returns None and the agent loads it as before.
+    ``read`` runs on the engine's thread and must keep the GIL (a busy thread of the engine given
+    it keeps it a switch interval, 5 ms): no blocking call, no ``CDLL`` function, none of the
+    numpy calls that release it whatever the size (``tests/test_gil_kept.py``).
 
     Threads: one caller at a time (the engine's connector serialises calls)."""
 

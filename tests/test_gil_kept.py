@@ -7,8 +7,8 @@ times a 1-block load. numpy releases it in some calls whatever their size (``sea
 These tests count, with forced switches made 60 s apart, how often another thread got the GIL
 while each step ran, on every cache layout the planner knows. A release of a few nanoseconds is
 seen only now and then (the waiting thread must wake in time), so each step runs hundreds of
-times; found with a counting ``PyEval_SaveThread`` preloaded, every step here counted none. The end-to-end check, through real
-agents: ``test_agent.py::test_start_load_and_the_polls_that_see_it_finish_keep_the_gil``.
+times (with a counting ``PyEval_SaveThread`` preloaded, every step here counted none). The
+end-to-end check, through real agents: ``test_agent.py::test_start_load_and_the_polls_that_see_it_finish_keep_the_gil``.
 """
 
 from __future__ import annotations
