@@ -13,12 +13,21 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import torch
-from test_agent import cfg, make, released, wait_for
+from test_agent import NB, cfg, make, released, wait_for
 
 from kvxfer.agent.client import AgentConnector
-from kvxfer.config import InstanceConfig
-from kvxfer.connector import EngineConnector
-from kvxfer.protocol import ErrorCode
+from kvxfer.cache import allocate_kv_cache, spec_from_config
+from kvxfer.config import (
+    CacheConfig,
+    ConnectorConfig,
+    InstanceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SideChannelConfig,
+    TimeoutsConfig,
+)
+from kvxfer.connector import Connector, EngineConnector
+from kvxfer.protocol import ErrorCode, merge_params
 
 Pair = tuple[EngineConnector, list[torch.Tensor], EngineConnector, list[torch.Tensor]]
 
@@ -142,3 +151,83 @@ def test_a_burst_of_copied_loads_tells_every_producer_hold_without_a_poll_betwee
     assert released(p, ["first", *rids], timeout_s=30) == sorted(["first", *rids])
     s = c.stats()
     assert s["engine_copied_loads"] == 300 and s["loads_ok"] == 301
+
+
+def shaped(role: str, engine: str, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16, mla: bool = False,
+           kv_fused: bool = False, **connector: object) -> InstanceConfig:
+    heads = 1 if mla else 4
+    c = InstanceConfig(
+        role=role, engine_id=engine,
+        model=ModelConfig(num_layers=4, num_kv_heads=heads, num_heads=8, head_size=16, mla=mla),
+        cache=CacheConfig(block_size=bs, num_blocks=NB, layout=layout, kv_fused=kv_fused),
+        parallel=ParallelConfig(tp=tp, pp=pp),
+        connector=ConnectorConfig(name="cma", side_channel=SideChannelConfig(host="127.0.0.1", port=0),
+                                  timeouts=TimeoutsConfig(handshake_s=5.0, handshake_retries=1, transfer_s=10.0,
+                                                          hold_wait_s=0.3)))
+    return with_connector(c, **connector)
+
+
+SHAPES = {  # producer, consumer: topologies and cache layouts whose loads the engine copies (or passes on)
+    "prefill TP2 -> decode TP1": ({"tp": 2}, {}),
+    "prefill TP1 -> decode TP2": ({}, {"tp": 2}),
+    "prefill PP2 -> decode PP1": ({"pp": 2}, {}),
+    "block 16 -> 64": ({}, {"bs": 64}),
+    "MLA, prefill TP2 -> decode TP1": ({"mla": True, "tp": 2}, {"mla": True}),
+    "fused K|V HND, prefill TP1 -> decode TP2": ({"kv_fused": True, "layout": "HND"},
+                                                 {"kv_fused": True, "layout": "HND", "tp": 2}),
+    "HND -> NHD (a repack: the agent's)": ({"layout": "HND"}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_loads_the_engine_copies_equal_the_agents_on_other_topologies_and_layouts(case: str) -> None:
+    """Two consumer instances load the same held blocks into the same local blocks, one with the
+    engine's copies, one through its agents only (bit-exact against the topology's oracle in
+    test_transfer.py): every rank's bytes are equal, and the engine copied (or, for a repack,
+    passed every load on)."""
+    pkw, dkw = SHAPES[case]
+    pcfg = shaped("prefill", "P", **pkw)
+    conns: list[EngineConnector] = []
+    try:
+        producers = []
+        for rank in range(pcfg.world_size):
+            p = Connector.from_config(pcfg, rank)
+            conns.append(p)
+            cache = allocate_kv_cache(spec_from_config(pcfg, rank // pcfg.parallel.tp), NB)
+            for i, t in enumerate(cache.tensors):
+                t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
+                                                                 generator=torch.Generator().manual_seed(rank * 97 + i),
+                                                                 dtype=torch.uint8))
+            p.register_kv_caches(cache)
+            producers.append(p)
+        sides = {}
+        for name, changes in (("engine", {}), ("agent", {"engine_copy_bytes": 0})):
+            dcfg = shaped("decode", f"D-{name}", **dkw, **changes)
+            ranks = []
+            for rank in range(dcfg.world_size):
+                c = Connector.from_config(dcfg, rank)
+                conns.append(c)
+                cache = allocate_kv_cache(spec_from_config(dcfg, rank // dcfg.parallel.tp), NB)
+                c.register_kv_caches(cache)
+                ranks.append((c, cache.tensors))
+            sides[name] = ranks
+        src, tokens = [[5, 9, 2], [11, 4, 30]], [40, 20]  # the second: a block short of full
+        for step, rid in enumerate(["warm", "load"]):
+            for name, ranks in sides.items():
+                params = merge_params([p.hold(f"{rid}-{name}", src[step], tokens[step]) for p in producers])
+                dst = [[40, 7, 60], [61, 3, 8]][step][: -(-tokens[step] // ranks[0][0].config.cache.block_size)]
+                for c, _ in ranks:
+                    c.start_load(f"{rid}-{name}", params, dst)
+                for c, _ in ranks:
+                    assert wait_for(c, f"{rid}-{name}").receiving == [f"{rid}-{name}"]
+        for (ce, te), (ca, ta) in zip(sides["engine"], sides["agent"], strict=True):
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(te, ta, strict=True))
+            s = ce.stats()
+            if "repack" in case:
+                assert s["engine_copied_loads"] == 0 and s["engine_producers"] == 0  # not learnt: not direct
+            else:
+                assert s["engine_copied_loads"] == 1, s  # the first load handshook through the agent
+            assert ca.stats()["engine_copied_loads"] == 0
+    finally:
+        for c in reversed(conns):
+            c.close()
