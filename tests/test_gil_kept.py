@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from kvxfer.connectors.cma.engine_reads import copy_views
 from kvxfer.connectors.cma.peer import pieces
 
 from kvxfer.agent.engine_loads import MAX_PIECES
 from kvxfer.cache import KVCacheSpec, allocate_kv_cache
-from kvxfer.dataplane import join_adjacent, run_sums
+from kvxfer.dataplane import Descriptors, join_adjacent, run_sums
 from kvxfer.topology import SourceSlice
 from kvxfer.transfer.hold_board import SMALL_CHECK, blocks_held
 from kvxfer.transfer.planner import DirectPlan, SideLayout
@@ -131,3 +132,21 @@ def test_run_sums_are_reduceat() -> None:
         for _ in range(20):
             starts = np.flatnonzero(np.concatenate(([True], rng.random(n - 1) < 0.3)))
             assert np.array_equal(run_sums(values, starts), np.add.reduceat(values, starts))
+
+
+def test_the_engines_copy_keeps_the_gil_and_moves_every_piece() -> None:
+    """cma's engine copy (slice assignments between region views): each piece lands where its
+    descriptor says, and no other thread runs meanwhile."""
+    src = [np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8) for i in range(4)]
+    dst = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(4)]
+    remote = {10 + i: memoryview(a) for i, a in enumerate(src)}
+    local = {20 + i: memoryview(a) for i, a in enumerate(dst)}
+    n = 64
+    d = Descriptors(np.array([10 + i % 4 for i in range(n)], dtype=np.int64),
+                    np.array([(i * 7919 % 31) * 32768 for i in range(n)], dtype=np.int64),
+                    np.array([20 + (i * 3) % 4 for i in range(n)], dtype=np.int64),
+                    np.array([i // 4 * 32768 for i in range(n)], dtype=np.int64), np.full(n, 32768, dtype=np.int64))
+    assert releases(lambda: copy_views(d, local, remote), 100) == 0
+    for rr, ro, lr, lo, ln in zip(*(a.tolist() for a in (d.remote_region, d.remote_offset, d.local_region,
+                                                          d.local_offset, d.length)), strict=True):
+        assert np.array_equal(dst[lr - 20][lo : lo + ln], src[rr - 10][ro : ro + ln])

@@ -16,6 +16,7 @@ Threads: one caller at a time (the engine's connector holds its lock around ever
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 
@@ -25,7 +26,6 @@ from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import Descriptors, EngineReads
 from kvxfer.transfer.hold_board import check_one_sided, row_unchanged
 
-from .mapped import copy_mapped
 from .memory import copy_from, iovecs
 from .peer import Peer, Pieces, open_peer, pieces, unmap
 
@@ -44,6 +44,8 @@ class CmaEngineReads(EngineReads):
         self._bases = np.array([by_id[int(i)].address for i in ids], dtype=np.int64)
         self._patterns: dict[bytes, Pieces] = {}
         self._peers: dict[str, Peer] = {}
+        self._views = {r.region_id: _view(r.address, r.length) for r in regions}  # this side's regions
+        self._peer_views: dict[str, dict[int, memoryview]] = {}  # a peer's mapped regions, by region id
 
     def connect(self, peer_id: str, address: bytes) -> None:
         peer, one_sided = open_peer(peer_id, address, b"", self.map_memory)
@@ -53,15 +55,20 @@ class CmaEngineReads(EngineReads):
                                   f"asks it for a grant")
         self.disconnect(peer_id)
         self._peers[peer_id] = peer
+        if peer.mapped is not None:
+            self._peer_views[peer_id] = {rid: _view(at, size) for rid, at, size in
+                                         zip(peer.ids.tolist(), peer.mapped.tolist(), peer.sizes.tolist(), strict=True)
+                                         if at}
 
     def disconnect(self, peer_id: str) -> None:
+        self._peer_views.pop(peer_id, None)  # before the unmap: nothing may read through them after
         unmap(self._peers.pop(peer_id, None))
 
     def connected(self, peer_id: str) -> bool:
         return peer_id in self._peers
 
     def read(self, request_id: str, reads: Sequence[tuple[str, Descriptors]]) -> bool:
-        allowed: list[tuple[Peer, Descriptors, np.ndarray, Pieces, np.ndarray]] = []
+        allowed: list[tuple[str, Peer, Descriptors, np.ndarray, Pieces, np.ndarray]] = []
         for peer_id, d in reads:
             if not len(d):
                 continue
@@ -83,19 +90,18 @@ class CmaEngineReads(EngineReads):
             if row is None:
                 self._forget_if_gone(peer_id, peer)
                 return False
-            allowed.append((peer, d, local.bases, remote, row))
-        for peer, d, local_bases, remote, _ in allowed:
+            allowed.append((peer_id, peer, d, local.bases, remote, row))
+        for peer_id, peer, d, local_bases, remote, _ in allowed:
             try:
                 if remote.mapped is not None:
-                    iov = iovecs(d, local_bases, remote.mapped)
-                    copy_mapped(iov[0], iov[1], keep_gil=True)
+                    copy_views(d, self._views, self._peer_views[peer_id])
                 else:
                     iov = iovecs(d, local_bases, remote.bases)
                     copy_from(peer.addr.pid, iov[0], iov[1], keep_gil=True, nbytes=d.nbytes)
             except OSError as e:
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
-        return all(row_unchanged(peer.peek, peer.addr.board, row) for peer, _, _, _, row in allowed)
+        return all(row_unchanged(peer.peek, peer.addr.board, row) for _, peer, _, _, _, row in allowed)
 
     def _forget_if_gone(self, peer_id: str, peer: Peer) -> None:
         """The board did not allow a read: if the producer's memory cannot be read at all (it
@@ -110,3 +116,18 @@ class CmaEngineReads(EngineReads):
     def close(self) -> None:
         for peer_id in list(self._peers):
             self.disconnect(peer_id)
+
+
+def _view(address: int, length: int) -> memoryview:
+    """A byte view of memory this process maps (a region of its cache, or of a producer's file)."""
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+def copy_views(d: Descriptors, local: dict[int, memoryview], remote: dict[int, memoryview]) -> None:
+    """Copy ``d``'s pieces, each a slice assignment between region views: ``memcpy`` with the GIL
+    kept and about 0.2 us of Python a piece, where a ``ctypes`` call costs 0.5 us and its
+    arguments' conversion more (a 1-block load's 64 pieces: 250 us against 310-340). The caller
+    checked every piece against both regions' sizes."""
+    for lr, lo, rr, ro, n in zip(d.local_region.tolist(), d.local_offset.tolist(), d.remote_region.tolist(),
+                                 d.remote_offset.tolist(), d.length.tolist(), strict=True):
+        local[lr][lo : lo + n] = remote[rr][ro : ro + n]
