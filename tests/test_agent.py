@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from test_gil_kept import gil_turns
 
 from kvxfer.agent import client as agent_client
 from kvxfer.agent.client import AgentConnector
@@ -508,22 +509,7 @@ def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(pair: tuple) -
     c.start_load("r0", first, [2])  # the first load handshakes
     assert wait_for(c, "r0").receiving == ["r0"]
     params = [p.hold(f"r{i}", [i + 1], 16) for i in range(1, 21)]  # round trips: made before the count
-    ticks, stop = [0], threading.Event()
-
-    def count() -> None:
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0)  # gives the GIL back at once
-
-    old = sys.getswitchinterval()
-    t = threading.Thread(target=count, daemon=True)
-    sys.setswitchinterval(60.0)
-    try:
-        t.start()
-        started = time.monotonic() + 10
-        while ticks[0] < 3:
-            assert time.monotonic() < started, "the counting thread did not run"
-            time.sleep(0.001)
+    with gil_turns() as ticks:
         before, outs = ticks[0], []
         for i, pr in enumerate(params, start=1):
             c.start_load(f"r{i}", pr, [i + 30])
@@ -532,10 +518,6 @@ def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(pair: tuple) -
                 pass
             outs.append(out)
         during = ticks[0] - before
-    finally:
-        sys.setswitchinterval(old)
-        stop.set()
-        t.join(timeout=5)
     assert [o.receiving for o in outs] == [[f"r{i}"] for i in range(1, 21)], [o.errors for o in outs]
     assert during == 0, f"the engine's thread released the GIL {during} times in 20 loads"
     for i in range(1, 21):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -31,8 +32,10 @@ from kvxfer.transfer.hold_board import SMALL_CHECK, blocks_held
 from kvxfer.transfer.planner import DirectPlan, SideLayout
 
 
-def releases(fn: Callable[[], object], calls: int = 300) -> int:
-    """How many times another Python thread ran while ``fn`` was called ``calls`` times."""
+@contextmanager
+def gil_turns() -> Iterator[list[int]]:
+    """A thread that runs only when the GIL is free (forced switches made 60 s apart), started and
+    running: its count of turns, ``[n]``, grows each time another thread lets the GIL go."""
     ticks, stop = [0], threading.Event()
 
     def count() -> None:
@@ -49,14 +52,20 @@ def releases(fn: Callable[[], object], calls: int = 300) -> int:
         while ticks[0] < 3:
             assert time.monotonic() < deadline, "the counting thread did not run"
             time.sleep(0.001)
-        before = ticks[0]
-        for _ in range(calls):
-            fn()
-        return ticks[0] - before
+        yield ticks
     finally:
         sys.setswitchinterval(old)
         stop.set()
         t.join(timeout=5)
+
+
+def releases(fn: Callable[[], object], calls: int = 300) -> int:
+    """How many times another Python thread ran while ``fn`` was called ``calls`` times."""
+    with gil_turns() as ticks:
+        before = ticks[0]
+        for _ in range(calls):
+            fn()
+        return ticks[0] - before
 
 
 def test_the_count_sees_a_call_that_releases_the_gil() -> None:
