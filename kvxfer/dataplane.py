@@ -378,7 +378,9 @@ def run_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """The sum of each run of ``values`` beginning at ``starts`` (increasing, the first 0): what
     ``np.add.reduceat`` gives, without its release of the GIL whatever the size (an engine's
     thread planning or copying a small load would hand the GIL to any busy thread of the engine
-    for a switch interval)."""
+    for a switch interval). Empty ``values``: an empty result."""
+    if not len(values):
+        return np.zeros(0, dtype=np.result_type(values.dtype, np.int64))
     ends = np.cumsum(values)
     return ends[np.append(starts[1:] - 1, len(values) - 1)] - ends[starts] + values[starts]
 

@@ -2,7 +2,8 @@
 
 A busy Python thread of the engine that is handed the GIL keeps it a switch interval (5 ms): ten
 times a 1-block load. numpy releases it in some calls whatever their size (``searchsorted``,
-``sort``, ``add.reduceat``, the copy of a broadcast view) and in element-wise loops over more than
+``sort``, ``add.reduceat``, ``arange`` of three or more, the copy of a broadcast view) and in
+element-wise loops over more than
 500 elements; the engine's path avoids the first and stays under the second (``MAX_PIECES``).
 These tests count, with forced switches made 60 s apart, how often another thread got the GIL
 while each step ran, on every cache layout the planner knows. A release of a few nanoseconds is
@@ -132,6 +133,10 @@ def test_the_board_check_keeps_the_gil_and_answers_as_searchsorted() -> None:
     held = np.arange(8, dtype=np.int64)
     assert blocks_held(first, first, held) and not blocks_held(first, first + 8, held)
     assert releases(lambda: blocks_held(first, first, held)) == 0
+    long_hold = np.arange(5000, dtype=np.int64)  # a small read of a long prompt's hold
+    a, b = first + 4000, first + 4001
+    assert blocks_held(a, b, long_hold) and not blocks_held(first + 4999, first + 5000, long_hold)
+    assert releases(lambda: blocks_held(a, b, long_hold)) == 0
 
 
 def test_run_sums_are_reduceat() -> None:

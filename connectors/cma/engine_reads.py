@@ -53,12 +53,17 @@ class CmaEngineReads(EngineReads):
             unmap(peer)
             raise ConnectionError(f"peer {peer_id} publishes no hold board (one_sided: false): every read of it "
                                   f"asks it for a grant")
+        try:
+            views = {} if peer.mapped is None else {
+                rid: _view(at, size).toreadonly()  # the mapping is PROT_READ: a write would fault, not raise
+                for rid, at, size in zip(peer.ids.tolist(), peer.mapped.tolist(), peer.sizes.tolist(), strict=True)
+                if at}
+        except (ValueError, TypeError, OverflowError) as e:
+            unmap(peer)
+            raise ConnectionError(f"peer {peer_id}: its mapped regions cannot be viewed here ({e})") from None
         self.disconnect(peer_id)
         self._peers[peer_id] = peer
-        if peer.mapped is not None:
-            self._peer_views[peer_id] = {rid: _view(at, size) for rid, at, size in
-                                         zip(peer.ids.tolist(), peer.mapped.tolist(), peer.sizes.tolist(), strict=True)
-                                         if at}
+        self._peer_views[peer_id] = views
 
     def disconnect(self, peer_id: str) -> None:
         self._peer_views.pop(peer_id, None)  # before the unmap: nothing may read through them after
@@ -98,7 +103,7 @@ class CmaEngineReads(EngineReads):
                 else:
                     iov = iovecs(d, local_bases, remote.bases)
                     copy_from(peer.addr.pid, iov[0], iov[1], keep_gil=True, nbytes=d.nbytes)
-            except OSError as e:
+            except (OSError, ValueError, KeyError) as e:  # ruled out by the checks above; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
         return all(row_unchanged(peer.peek, peer.addr.board, row) for _, peer, _, _, _, row in allowed)

@@ -24,6 +24,7 @@ from .memory import Peeker, copy_from
 logger = logging.getLogger(__name__)
 
 MAX_PATTERNS = 64  # region patterns whose per-piece tables are kept (per peer, and for this side)
+SMALL_LOOKUP = 512  # patterns of up to this many pieces are looked up in a dict, the GIL kept
 MAX_KEPT_PIECES = 4096  # only patterns up to this many pieces are kept: the small loads it is for, bounded memory
 
 
@@ -66,7 +67,7 @@ def pieces(cache: dict[bytes, Pieces], ids: np.ndarray, sizes: np.ndarray, bases
     if hit is None:
         if not len(ids):
             return None
-        if len(regions) <= MAX_KEPT_PIECES:  # np.searchsorted releases the GIL (the engine's copies keep it)
+        if len(regions) <= SMALL_LOOKUP:  # np.searchsorted releases the GIL (the engine's copies keep it)
             at = {r: i for i, r in enumerate(ids.tolist())}
             pos = np.array([at.get(r, 0) for r in regions.tolist()], dtype=np.int64)
         else:

@@ -16,8 +16,11 @@ failed copy or recheck.
 
 The GIL is never released here, from planning to the recheck: a busy Python thread of the engine
 given it keeps it a switch interval (5 ms), ten times a load. So no numpy call that releases it
-whatever the size (``searchsorted``, ``sort``, ``add.reduceat``, the copy of a broadcast view:
-the planner and the board check avoid them), and no array over numpy's threshold (``MAX_PIECES``).
+whatever the size (``searchsorted``, ``sort``, ``add.reduceat``, ``arange`` of three or more, the
+copy of a broadcast view: the planner and the board check avoid them), and no array over numpy's
+threshold: a plan of more than ``MAX_PIECES`` pieces is built once per shape (then kept) and
+passed on. That sends some small loads to the agent: with 32 layers, an NHD cache read across a TP
+mismatch is a piece per token and head slice (1024 for one block).
 
 Threads: the engine's; the owning ``AgentConnector`` serialises calls (its ``_engine_lock``).
 """

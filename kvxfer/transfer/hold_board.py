@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-SMALL_CHECK = 512  # pieces (and held ids) up to this many are checked in Python, the GIL kept
+SMALL_CHECK = 512  # reads of up to this many pieces are checked in Python, the GIL kept
 SLOTS = 4096  # rows a request id hashes to
 WINDOW = 8  # rows probed from its hash (the table has SLOTS + WINDOW rows: no wrap-around)
 ROW = 4  # int64 fields: key, ticket, address of the block ids, their count
@@ -112,10 +112,10 @@ def blocks_held(first: np.ndarray, last: np.ndarray, held: np.ndarray) -> bool:
     (:func:`row_unchanged`) rejects a read that garbage allowed."""
     if not len(first):
         return True
-    if len(first) <= SMALL_CHECK and len(held) <= SMALL_CHECK:
+    if len(first) <= SMALL_CHECK:
         # numpy's searchsorted releases the GIL whatever the size: an engine's thread copying a small
         # load (engine_loads.py) would hand it to any busy thread of the engine for a switch interval
-        ids = held.tolist()
+        ids = held.tolist() if len(held) <= SMALL_CHECK else held  # bisect reads an ndarray as it is
         return all(bisect_right(ids, b) - bisect_left(ids, a) == b - a + 1
                    for a, b in set(zip(first.tolist(), last.tolist(), strict=True)))
     inside = held.searchsorted(last, side="right") - held.searchsorted(first, side="left")
