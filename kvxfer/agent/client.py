@@ -639,10 +639,13 @@ class AgentConnector:
             events = self._events
             if events is not None and self._dead is None:
                 try:
+                    deadline = time.monotonic() + timeout_s
                     ev = events.recv(timeout_s)
                     while ev is not None:
                         self._take(ev, out)
                         ev = events.recv(0.0)
+                        if ev is None and not out and (left := deadline - time.monotonic()) > 0:
+                            ev = events.recv(left)  # it only named a producer (PeerKnown): wait on
                 except ChannelClosed as e:
                     self._agent_died(f"exited ({e})")
                 self._check_deadlines()
