@@ -385,11 +385,16 @@ def run_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return ends[np.append(starts[1:] - 1, len(values) - 1)] - ends[starts] + values[starts]
 
 
-def region_array(r: MemoryRegion) -> np.ndarray:
-    """A zero-copy uint8 numpy view of a registered host region."""
+def address_view(address: int, length: int) -> memoryview:
+    """A byte view of ``length`` bytes this process maps at ``address`` (zero-copy)."""
     import ctypes
 
-    return np.frombuffer(memoryview((ctypes.c_char * r.length).from_address(r.address)), dtype=np.uint8)
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+def region_array(r: MemoryRegion) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a registered host region."""
+    return np.frombuffer(address_view(r.address, r.length), dtype=np.uint8)
 
 
 class HostRegionPlane(DataPlane):

@@ -16,14 +16,13 @@ Threads: one caller at a time (the engine's connector holds its lock around ever
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvxfer.cache.tensors import MemoryRegion
-from kvxfer.dataplane import Descriptors, EngineReads
+from kvxfer.dataplane import Descriptors, EngineReads, address_view
 from kvxfer.transfer.hold_board import check_one_sided, row_unchanged
 
 from .memory import copy_from, iovecs
@@ -44,7 +43,7 @@ class CmaEngineReads(EngineReads):
         self._bases = np.array([by_id[int(i)].address for i in ids], dtype=np.int64)
         self._patterns: dict[bytes, Pieces] = {}
         self._peers: dict[str, Peer] = {}
-        self._views = {r.region_id: _view(r.address, r.length) for r in regions}  # this side's regions
+        self._views = {r.region_id: address_view(r.address, r.length) for r in regions}  # this side's regions
         self._peer_views: dict[str, dict[int, memoryview]] = {}  # a peer's mapped regions, by region id
 
     def connect(self, peer_id: str, address: bytes) -> None:
@@ -55,7 +54,7 @@ class CmaEngineReads(EngineReads):
                                   f"asks it for a grant")
         try:
             views = {} if peer.mapped is None else {
-                rid: _view(at, size).toreadonly()  # the mapping is PROT_READ: a write would fault, not raise
+                rid: address_view(at, size).toreadonly()  # the mapping is PROT_READ: a write would fault, not raise
                 for rid, at, size in zip(peer.ids.tolist(), peer.mapped.tolist(), peer.sizes.tolist(), strict=True)
                 if at}
         except (ValueError, TypeError, OverflowError) as e:
@@ -121,11 +120,6 @@ class CmaEngineReads(EngineReads):
     def close(self) -> None:
         for peer_id in list(self._peers):
             self.disconnect(peer_id)
-
-
-def _view(address: int, length: int) -> memoryview:
-    """A byte view of memory this process maps (a region of its cache, or of a producer's file)."""
-    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
 
 def copy_views(d: Descriptors, local: dict[int, memoryview], remote: dict[int, memoryview]) -> None:
