@@ -77,6 +77,30 @@ class Descriptors:
         return cls(*(np.ascontiguousarray(a[:, i]) for i in range(5)))
 
 
+# a piece of a BlockPieces: (remote region, remote unit, remote stride, remote inner offset,
+#                            local region, local unit, local stride, local inner offset, length)
+BlockPiece = tuple[int, int, int, int, int, int, int, int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPieces:
+    """A read of one shape for any block ids, as Python tuples an engine's thread walks with the
+    GIL kept (``EngineReads.read_blocks``): piece ``(rr, ru, rs, ri, lr, lu, ls, li, n)`` copies
+    ``n`` bytes from remote region ``rr`` at ``remote_blocks[ru] * rs + ri`` to local region ``lr``
+    at ``local_blocks[lu] * ls + li``. Made once per shape and kept (a reader may keep what it
+    derives from one by its identity)."""
+
+    pieces: tuple[BlockPiece, ...]
+    nbytes: int
+
+    def descriptors(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> Descriptors:
+        """The pieces for these block ids, as a plane's ``read`` takes them."""
+        a = np.array(self.pieces, dtype=np.int64).reshape(-1, 9)
+        rb, lb = np.asarray(remote_blocks, dtype=np.int64), np.asarray(local_blocks, dtype=np.int64)
+        return Descriptors(a[:, 0].copy(), rb[a[:, 1]] * a[:, 2] + a[:, 3], a[:, 4].copy(),
+                           lb[a[:, 5]] * a[:, 6] + a[:, 7], a[:, 8].copy())
+
+
 class RegionTable:
     """Sorted region ids and sizes for vectorised bounds checks; rebuilt only on (un)registration."""
 
@@ -244,6 +268,13 @@ class EngineReads(ABC):
         """Copy all of ``reads`` (peer id, descriptors; ``local_*`` in this process's regions) for
         the producer's ``request_id`` now, checked against its holds, or report False: then the
         caller's agent loads it (what was written went only into the load's own blocks)."""
+
+    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]
+                    ) -> bool:
+        """``read`` of (peer id, pieces, remote block ids, local block ids): a plane may derive
+        what a shape's reads need once and keep it (cma does); by default, ``read`` of each
+        shape's descriptors."""
+        return self.read(request_id, [(peer_id, bp.descriptors(rb, lb)) for peer_id, bp, rb, lb in reads])
 
     @abstractmethod
     def close(self) -> None:

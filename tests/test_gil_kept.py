@@ -22,14 +22,14 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from kvxfer.connectors.cma.engine_reads import copy_views
+from kvxfer.connectors.cma.engine_reads import copy_views, peer_shape
 from kvxfer.connectors.cma.peer import pieces
 
 from kvxfer.agent.engine_loads import MAX_PIECES
-from kvxfer.cache import KVCacheSpec, allocate_kv_cache
-from kvxfer.dataplane import Descriptors, join_adjacent, run_sums
+from kvxfer.cache import KVCache, KVCacheSpec, allocate_kv_cache
+from kvxfer.dataplane import BlockPieces, Descriptors, address_view, join_adjacent, run_sums
 from kvxfer.topology import SourceSlice
-from kvxfer.transfer.hold_board import SMALL_CHECK, blocks_held
+from kvxfer.transfer.hold_board import SMALL_CHECK, HoldBoard, blocks_held, check_blocks
 from kvxfer.transfer.planner import DirectPlan, SideLayout
 
 
@@ -73,10 +73,18 @@ def test_the_count_sees_a_call_that_releases_the_gil() -> None:
     assert releases(lambda: time.sleep(0), 50) > 0
 
 
-def side(layout: str, block_size: int, heads: int = 8, layers: int = 4, **kw: object) -> SideLayout:
+def cache(layout: str, block_size: int, heads: int = 8, layers: int = 4, **kw: object) -> KVCache:
     spec = KVCacheSpec(num_layers=layers, num_kv_heads=heads, head_size=16, block_size=block_size, layout=layout,
                        **kw)  # type: ignore[arg-type]
-    return SideLayout.from_cache(allocate_kv_cache(spec, 64, huge_pages=False))
+    return allocate_kv_cache(spec, 64, huge_pages=False)
+
+
+def side(layout: str, block_size: int, heads: int = 8, layers: int = 4, **kw: object) -> SideLayout:
+    return SideLayout.from_cache(cache(layout, block_size, heads, layers, **kw))
+
+
+def views(c: KVCache) -> dict[int, memoryview]:
+    return {r.region_id: address_view(r.address, r.length) for r in c.regions}
 
 
 def heads(remote: range, local: range) -> SourceSlice:
@@ -119,6 +127,66 @@ def test_planning_a_small_load_keeps_the_gil(shape: tuple, tokens: tuple[int, in
     ids, eight = np.array(range(8), dtype=np.int64), np.full(8, 1 << 30, dtype=np.int64)
     regions = plan.remote_region % 8
     assert releases(lambda: pieces({}, ids, eight, eight, eight, regions)) == 0  # a region pattern not seen before
+    assert releases(plan.block_pieces) == 0  # the engine's loads make them once per shape
+
+
+SHAPED = [s for s in SHAPES if not s[2].get("kv_fused")]
+
+
+@pytest.mark.parametrize("shape", SHAPED, ids=[f"{s[0]}{s[1]}-{s[3]}{s[4]}-{i}" for i, s in enumerate(SHAPED)])
+@pytest.mark.parametrize("tokens", [(0, 16), (0, 40), (32, 64)], ids=["1block", "partial", "skip"])
+def test_a_shape_read_through_its_block_pieces_lands_as_the_plan_says_and_keeps_the_gil(
+        shape: tuple, tokens: tuple[int, int]) -> None:
+    """What the cma engine's read_blocks does per load (bounds, board check, copy piece by piece)
+    moves the same bytes as the plan's descriptors, refuses block ids past a region, and keeps
+    the GIL."""
+    r_layout, r_bs, r_kw, l_layout, l_bs, l_kw, sl = shape
+    heads = 4 if sl is HALF else 8
+    rc, lc, ref = cache(r_layout, r_bs, **r_kw), cache(l_layout, l_bs, heads=heads, **l_kw), \
+        cache(l_layout, l_bs, heads=heads, **l_kw)
+    skip, num = tokens
+    if skip % max(r_bs, l_bs):
+        pytest.skip("not a load the planner takes")
+    for i in range(len(rc.regions)):
+        src = np.frombuffer(address_view(rc.regions[i].address, rc.regions[i].length), dtype=np.uint8)
+        src[:] = np.random.default_rng(i).integers(0, 256, len(src), dtype=np.uint8)
+    plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), sl, skip, num)
+    bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()))
+    shaped = peer_shape(bp, views(lc), views(rc))
+    assert shaped is not None
+    nr, nl = -(-num // r_bs), -(-num // l_bs)
+    rb, lb = [(7 * j + 3) % 64 for j in range(nr)], [(11 * j + 5) % 64 for j in range(nl)]
+    assert shaped.in_bounds(rb, lb)
+    assert not shaped.in_bounds([64] * nr, lb) and not shaped.in_bounds(rb, [-1] * nl)
+    assert not shaped.in_bounds(rb[:-1], lb), "too few block ids for the shape"
+    copy_views(plan.descriptors(np.array(rb, dtype=np.int64), np.array(lb, dtype=np.int64)), views(ref), views(rc))
+    shaped.copy(rb, lb)
+    for a, b in zip(lc.regions, ref.regions, strict=True):
+        assert bytes(address_view(a.address, a.length)) == bytes(address_view(b.address, b.length))
+    board = HoldBoard(slots=64)
+    board.publish("r", np.array(rb, dtype=np.int64))
+
+    def read_at(address: int, nbytes: int) -> np.ndarray:
+        return np.frombuffer(address_view(address, nbytes), dtype=np.uint8)
+
+    blocks = {rb[u] for u, _ in shaped.remote_limits}
+    assert check_blocks(read_at, (board.address, board.rows), "r", blocks) is not None
+    assert releases(lambda: (shaped.in_bounds(rb, lb), shaped.copy(rb, lb),
+                             check_blocks(read_at, (board.address, board.rows), "r", blocks)), 100) == 0
+    board.close()
+
+
+def test_a_shape_with_a_region_not_mapped_or_a_piece_across_blocks_is_left_to_the_generic_read() -> None:
+    rc, lc = cache("NHD", 16), cache("NHD", 16)
+    plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), ALL, 0, 16)
+    bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()))
+    remote = views(rc)
+    assert peer_shape(bp, views(lc), remote) is not None
+    remote.pop(rc.regions[0].region_id)
+    assert peer_shape(bp, views(lc), remote) is None
+    across = BlockPieces(tuple((rr, ru, rs, ri + rs // 2, lr, lu, ls, li, n) for rr, ru, rs, ri, lr, lu, ls, li, n
+                               in bp.pieces), bp.nbytes)  # each piece's second half lies in the next block
+    assert peer_shape(across, views(lc), views(rc)) is None
 
 
 def test_the_board_check_keeps_the_gil_and_answers_as_searchsorted() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import threading
 import time
 
@@ -24,7 +23,15 @@ from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import BatchResult, Descriptors
 from kvxfer.protocol import ErrorCode
 from kvxfer.topology import ParallelLayout
-from kvxfer.transfer.hold_board import WINDOW, HoldBoard, blocks_held, check_one_sided, key_of, row_unchanged
+from kvxfer.transfer.hold_board import (
+    WINDOW,
+    HoldBoard,
+    blocks_held,
+    check_blocks,
+    check_one_sided,
+    key_of,
+    row_unchanged,
+)
 from kvxfer.transfer.producer import HoldRegistry
 
 STRIDE = 4096
@@ -71,6 +78,91 @@ def test_a_row_changed_after_the_check_voids_the_copy() -> None:
     assert not row_unchanged(read_at, at, row)
     again = check_one_sided(read_at, at, "r", *ranges([1]))
     assert again is not None and again[1] != row[1]
+
+
+BOARD_PROC = """
+import json, sys
+import numpy as np
+from kvxfer.transfer.hold_board import HoldBoard
+b = HoldBoard(slots=64)
+b.publish("short", np.array([3, 9, 4]))            # its ids inline, in the board's file
+b.publish("long", np.arange(100, 160))              # its ids in the producer's heap
+print(json.dumps([b.fd, b.address, b.rows]), flush=True)
+for line in sys.stdin:
+    if line.strip() == "withdraw":
+        b.withdraw("short")
+        print("ok", flush=True)
+"""
+
+
+def test_a_mapped_board_answers_as_process_vm_readv_and_refuses_once_its_producer_exited() -> None:
+    """A board in another process, mapped here (its file), read the way the cma plane reads it:
+    the same rows and answers as process_vm_readv; a withdrawn row fails the recheck; and once the
+    producer exited, every check refuses though the mapping still shows its rows (its engine may
+    reuse the blocks)."""
+    import json
+    import subprocess
+    import sys
+
+    from kvxfer.connectors.cma.mapped import RegionFile, map_board
+    from kvxfer.connectors.cma.memory import Peeker
+
+    from kvxfer.transfer.hold_board import board_bytes
+
+    proc = subprocess.Popen([sys.executable, "-c", BOARD_PROC], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        fd, address, rows = json.loads(proc.stdout.readline())
+        st = os.stat(f"/proc/{proc.pid}/fd/{fd}")
+        peek = Peeker(proc.pid)
+        fm, mapped = map_board(proc.pid, RegionFile(fd=fd, dev=st.st_dev, ino=st.st_ino, offset=0), address,
+                               board_bytes(rows), peek)
+        at = (address, rows)
+        for rid, ok, bad in (("short", [3, 4, 9], [5]), ("long", [100, 159], [160])):
+            for reader in (peek, mapped):
+                row = check_one_sided(reader, at, rid, *ranges(ok))
+                assert row is not None and row_unchanged(reader, at, row)
+                assert check_one_sided(reader, at, rid, *ranges(bad)) is None
+                assert check_blocks(reader, at, rid, set(ok)) is not None
+                assert check_blocks(reader, at, rid, set(ok + bad)) is None
+        assert np.array_equal(mapped(address, rows * 32), peek(address, rows * 32))
+        row = check_blocks(mapped, at, "short", {3})
+        assert row is not None
+        proc.stdin.write("withdraw\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "ok"
+        assert not row_unchanged(mapped, at, row) and check_blocks(mapped, at, "short", {3}) is None
+        row = check_blocks(mapped, at, "long", {100})
+        assert row is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+        # the mapping still shows the row; the producer is gone: no read may stand
+        assert mapped._bytes is not None and int(mapped._bytes[: rows * 32].view(np.int64).reshape(rows, 4)[
+            int(row[4]), 1]) == int(row[1])
+        assert not row_unchanged(mapped, at, row)
+        assert check_blocks(mapped, at, "long", {100}) is None
+        mapped.close()
+        fm.unmap()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_check_blocks_answers_as_check_one_sided_for_pieces_inside_one_block() -> None:
+    rng = np.random.default_rng(5)
+    board = HoldBoard(slots=64)
+    at = (board.address, board.rows)
+    for i in range(200):
+        held = rng.integers(0, 60, int(rng.integers(1, 50)))  # short and long holds, unsorted, repeats
+        board.publish(f"r{i}", held)
+        blocks = rng.integers(0, 60, int(rng.integers(1, 6)))
+        one_sided = check_one_sided(read_at, at, f"r{i}", blocks, blocks)
+        by_blocks = check_blocks(read_at, at, f"r{i}", set(blocks.tolist()))
+        assert (one_sided is None) == (by_blocks is None)
+        assert one_sided is None or np.array_equal(one_sided, by_blocks)
+        board.withdraw(f"r{i}")
+    board.close()
 
 
 def test_a_full_window_leaves_the_hold_unpublished() -> None:
@@ -353,7 +445,11 @@ def test_a_read_whose_helpers_never_come_is_copied_whole_by_the_reading_thread(
     p = helper_pair(monkeypatch, gate, threads=2)
     helpers = p.consumer._helpers
     assert helpers is not None
-    monkeypatch.setattr(helpers, "_offers", queue.SimpleQueue())  # offers nobody takes
+    for _ in helpers._workers:  # the helpers stop (a queue swapped under them raced a helper still starting)
+        helpers._offers.put(None)
+    for t in helpers._workers:
+        t.join(10)
+        assert not t.is_alive()
     try:
         p.holds.hold("r", [1, 2, 3, 4], 64)
         res = p.read("r", [1, 2, 3, 4], [5, 6, 7, 8])

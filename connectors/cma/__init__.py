@@ -182,17 +182,21 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         if self._files is None:  # once per registration: /proc/self/maps of a vLLM worker is long
             self._files = region_files(regions) if self._board is not None else {}  # only one-sided reads map them
         files = self._files
+        board_file = None
+        if self._board is not None and self._board.fd >= 0:
+            st = os.fstat(self._board.fd)
+            board_file = RegionFile(fd=self._board.fd, dev=st.st_dev, ino=st.st_ino, offset=0)
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=boot_id(),
                                                  control=self._grant_server.address, regions=regions,
-                                                 strides=strides, board=board, files=files))
+                                                 strides=strides, board=board, files=files, board_file=board_file))
 
     def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
         if self._board is None:
             return
         try:
             if block_ids is None:
-                self._board.withdraw(request_id)
-            else:
+                self._board.withdraw(request_id)  # even once closed: a row published in a race with close goes
+            elif not self._closed:
                 self._board.publish(request_id, block_ids)
         except Exception as e:  # never raise into the hold registry: the read asks for a grant instead
             report("cma hold board", e, f"request {request_id}")
@@ -276,7 +280,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
                     asked.append(r)
                     continue
                 end -= 1
-                row = check_one_sided(peer.peek, peer.addr.board, r.request_id, d.remote_offset // remote.strides,
+                row = check_one_sided(peer.board_read, peer.addr.board, r.request_id, d.remote_offset // remote.strides,
                                       end // remote.strides)
                 if row is None:
                     asked.append(r)
@@ -333,7 +337,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         """After the copy: the batch's result, which stands only if the board row is unchanged.
         Caller holds _direct_lock (the peer's Peeker is used under it)."""
         try:
-            if not row_unchanged(peer.peek, peer.addr.board, row):
+            if not row_unchanged(peer.board_read, peer.addr.board, row):
                 raise ReadRefused(ErrorCode.NOT_HELD, f"request {r.request_id}: the hold ended while it was read")
         except Exception as e:
             return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)
@@ -407,9 +411,9 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
     def close(self) -> None:
         if self._closed:
             return
-        if self._board is not None:  # no one-sided read is allowed from here on
-            self._board.table[:] = 0
         self._closed = True
+        if self._board is not None:  # no one-sided read is allowed from here on
+            self._board.close()
         with self._direct_lock:  # no one-sided copy runs now, nor starts (closed): the mappings go
             for peer in self._direct.values():
                 unmap(peer)

@@ -10,10 +10,15 @@ The producer says which file backs each region (``region_file``: its descriptor 
 file's device and inode, and the region's offset in it, found in ``/proc/self/maps``); the
 consumer opens ``/proc/<pid>/fd/<fd>`` (the kernel allows it where it would allow the
 cross-memory read: same user, ptrace rights), checks that it is the same file and large enough,
-and maps the region's pages read-only (``map_region``). Everything else is unchanged: the hold
-board is still read with ``process_vm_readv`` before and after each copy (so a producer that
-died fails the read with ESRCH, though its file outlives it in the mapping), and memory that is
-not a shared file (an engine's own tensors) is still read with ``process_vm_readv``.
+and maps the region's pages read-only (``map_region``). Memory that is not a shared file (an
+engine's own tensors) is still read with ``process_vm_readv``.
+
+The hold board is a shared file too (``HoldBoard``): ``MappedBoard`` reads its rows and a small
+hold's block ids from a mapping. A mapping outlives its producer, whose board then still shows
+its last holds while the engine that owned the blocks may reuse them: so every read of a mapped
+board first asks the producer's ``pidfd`` whether it exited (a ``poll`` of a microsecond), as
+``process_vm_readv`` fails with ESRCH for a producer that exited. Mapped boards are read on
+x86-64 only, whose stores are seen in order (the producer writes a row's ticket last).
 
 A mapping must not be unmapped while a copy runs from it (a copy from an unmapped range is a
 segfault, not an error): the plane unmaps only under the lock its copies hold. A producer that
@@ -33,7 +38,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvxfer.dataplane import join_adjacent
+from kvxfer.dataplane import address_view, join_adjacent
+
+from .memory import Peeker
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,10 @@ _memcpy_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcpy_keep_gil.restype = ctypes.c_void_p
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = mmap.PAGESIZE
+# poll with the GIL kept (a zero timeout: it never waits); select.poll releases it
+_poll_keep_gil = ctypes.PyDLL(_LIBC_NAME, use_errno=True).poll
+_poll_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int]
+_poll_keep_gil.restype = ctypes.c_int
 
 
 class RegionFile(msgspec.Struct, frozen=True, array_like=True):
@@ -184,3 +195,48 @@ def copy_mapped(local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -
     copy = _memcpy_keep_gil if keep_gil else ctypes.memmove
     for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
         copy(d, s, n)
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+class MappedBoard:
+    """A producer's hold board read through this process's read-only mapping of its file (the
+    module doc): a ``read_at(address, nbytes)`` for ``check_one_sided``/``row_unchanged`` whose
+    reads are memory reads; a read outside the board's file (a long hold's block ids) goes to
+    ``peek``. Every read raises OSError once the producer exited.
+
+    Threads: the caller's lock (the plane's ``_direct_lock``, or the engine's), as ``Peeker``."""
+
+    def __init__(self, fm: FileMap, address: int, nbytes: int, pid: int, peek: Peeker) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self._poll = _PollFd(self._pidfd, 1, 0)  # POLLIN: the process exited
+        self._bytes: np.ndarray | None = np.frombuffer(address_view(fm.address, nbytes), dtype=np.uint8)
+        self._start, self._end = address, address + nbytes  # the board's file in the producer
+        self._peek = peek
+
+    def __call__(self, address: int, nbytes: int) -> np.ndarray:
+        if self._bytes is None or _poll_keep_gil(ctypes.byref(self._poll), 1, 0) != 0:
+            raise OSError(f"pid {self.pid} exited (or its board was let go): its board is not read any more")
+        if self._start <= address and address + nbytes <= self._end:
+            return self._bytes[address - self._start : address - self._start + nbytes]
+        return self._peek(address, nbytes)
+
+    def close(self) -> None:
+        """Before the mapping goes: no read through it from here on."""
+        if self._bytes is not None:
+            self._bytes = None
+            os.close(self._pidfd)
+
+
+def map_board(pid: int, rf: RegionFile, address: int, nbytes: int, peek: Peeker) -> tuple[FileMap, MappedBoard]:
+    """Map a producer's hold board (``rf``, ``nbytes`` at ``address`` in the producer) read-only
+    here. Raises OSError (named) when it cannot."""
+    fm = map_region(pid, rf, nbytes)
+    try:
+        return fm, MappedBoard(fm, address, nbytes, pid, peek)
+    except (OSError, AttributeError) as e:  # no pidfd_open (Linux < 5.3): the board is read with process_vm_readv
+        fm.unmap()
+        raise OSError(f"pid {pid}: no pidfd for its board ({e})") from None

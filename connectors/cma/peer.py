@@ -9,6 +9,8 @@ once per region pattern.
 from __future__ import annotations
 
 import logging
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvxfer.transfer.hold_board import WINDOW
+from kvxfer.transfer.hold_board import WINDOW, board_bytes
 
-from .mapped import FileMap, RegionFile, map_region
+from .mapped import FileMap, MappedBoard, RegionFile, map_board, map_region
 from .memory import Peeker, copy_from
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class CmaAddress(msgspec.Struct, frozen=True):
     strides: dict[int, int] = {}  # region id -> bytes per block (what the board's block ids index)
     board: tuple[int, int] = (0, 0)  # the producer's hold board: (address, rows); (0, 0): none, ask for grants
     files: dict[int, RegionFile] = {}  # region id -> the shared-memory file it lies in (mapped.py)
+    board_file: RegionFile | None = None  # the file the hold board lies in (offset 0); None: read it with peeks
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,12 @@ class Peer:
     ids: np.ndarray
     sizes: np.ndarray
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
-    peek: Peeker  # small reads of its memory (the board), under the plane's _direct_lock
+    peek: Peeker  # small reads of its memory, under the plane's _direct_lock
+    board_read: Callable[[int, int], np.ndarray]  # reads of its hold board: peek, or a MappedBoard
     patterns: dict[bytes, Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
     mapped: np.ndarray | None = None  # by position in ids, the region's address in maps (0: not mapped)
     maps: list[FileMap] = field(default_factory=list)  # unmapped under _direct_lock only (mapped.py)
+    board: MappedBoard | None = None  # its hold board, mapped (then also board_read)
 
 
 
@@ -119,6 +124,7 @@ def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> t
         raise ConnectionError(f"peer {peer_id} registered no regions")
     base, _length = next(iter(addr.regions.values()))
     probe = np.zeros(1, dtype=np.uint8)
+    peek = Peeker(addr.pid)
     try:
         copy_from(addr.pid, np.array([[probe.ctypes.data, 1]], dtype=np.uint64),
                   np.array([[base, 1]], dtype=np.uint64))
@@ -128,11 +134,28 @@ def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> t
     ids = np.array(sorted(addr.regions), dtype=np.int64)
     peer = Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
                 np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
-                np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), Peeker(addr.pid))
+                np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), peek, peek)
     one_sided = addr.board[1] > WINDOW and bool((peer.strides > 0).all())
     if one_sided and map_memory:
         _map(peer_id, peer)
+        _map_board(peer_id, peer)
     return peer, one_sided
+
+
+def _map_board(peer_id: str, peer: Peer) -> None:
+    """Map the peer's hold board where it lies in a shared file and this CPU sees stores in order
+    (mapped.py); otherwise it is read with process_vm_readv (logged)."""
+    rf = peer.addr.board_file
+    if rf is None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        fm, peer.board = map_board(peer.addr.pid, rf, peer.addr.board[0], board_bytes(peer.addr.board[1]), peer.peek)
+    except OSError as e:
+        logger.info("cma: peer %s (pid %d): hold board not mapped (%s): it is read with process_vm_readv",
+                    peer_id, peer.addr.pid, e)
+        return
+    peer.maps.append(fm)
+    peer.board_read = peer.board
 
 
 def _map(peer_id: str, peer: Peer) -> None:
@@ -163,6 +186,10 @@ def unmap(peer: Peer | None) -> None:
     """Unmap a peer's files. Caller holds the plane's _direct_lock and has taken the peer out of
     _direct, so no one-sided copy runs from them nor starts."""
     if peer is not None:
+        if peer.board is not None:
+            peer.board.close()
+            peer.board = None
+            peer.board_read = peer.peek
         for m in peer.maps:
             m.unmap()
         peer.maps = []

@@ -30,14 +30,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer.dataplane import EngineReads
+from kvxfer.dataplane import BlockPieces, EngineReads
 from kvxfer.protocol import HandshakeResponse, KVTransferParams
 from kvxfer.topology import ParallelLayout, SourceSlice, remote_sources
 from kvxfer.transfer.load import Peer
-from kvxfer.transfer.planner import DirectPlan, SideLayout, concat
+from kvxfer.transfer.planner import DirectPlan, SideLayout
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ MAX_LAYOUTS = 64  # producer layouts whose slices are kept
 # and a busy thread of the engine given it keeps it a switch interval (5 ms): loads of more pieces
 # than this go to the agent, so every array the engine's copy makes stays under that
 MAX_PIECES = 500
+MAX_SHAPES = 256  # load shapes whose pieces are kept (then all are dropped and made again)
 
 
 class EngineLoads:
@@ -63,6 +65,8 @@ class EngineLoads:
         self.bytes_per_block = bytes_per_block
         self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()  # (engine, rank) -> its latest generation
         self._slices: dict[ParallelLayout, dict[int, list[SourceSlice]]] = {}
+        # (producer peer id, its layout, skip tokens, tokens) -> that load's pieces; None: the agent's
+        self._shapes: dict[tuple[str, ParallelLayout, int, int], BlockPieces | None] = {}
         self.copied = 0  # loads copied here
         self.passed = 0  # small loads passed to the agent
 
@@ -94,31 +98,46 @@ class EngineLoads:
         if (len(local_blocks) - skip_tokens // self.local_side.block_size) * self.bytes_per_block > self.max_bytes:
             return None
         ranks = {r.rank: r for r in params.ranks}
-        remote_blocks = np.asarray(params.block_ids, dtype=np.int64)
-        plans: list[tuple[Peer, list[DirectPlan]]] = []
-        try:
-            for rr, sls in self._slices_by_rank(params.layout).items():
-                r = ranks.get(rr)
-                peer = self._peers.get((params.engine_id, rr))
-                if r is None or peer is None or peer.meta.generation != r.generation:
-                    self.passed += 1
-                    return None
-                plans.append((peer, [peer.direct_plan(self.local_side, s, skip_tokens, params.num_tokens)
-                                     for s in sls]))
-        except ValueError:  # a shape the planner refuses: the agent names it
-            self.passed += 1
-            return None
-        if sum(len(plan.length) for _, ps in plans for plan in ps) > MAX_PIECES:
-            self.passed += 1
-            return None
-        reads = [(peer.peer_id, concat([plan.descriptors(remote_blocks, local_blocks) for plan in ps]))
-                 for peer, ps in plans]
+        local = local_blocks.tolist()
+        reads: list[tuple[str, BlockPieces, Sequence[int], Sequence[int]]] = []
+        for rr, sls in self._slices_by_rank(params.layout).items():
+            r = ranks.get(rr)
+            peer = self._peers.get((params.engine_id, rr))
+            if r is None or peer is None or peer.meta.generation != r.generation:
+                self.passed += 1
+                return None
+            shape = self._pieces(peer, params.layout, sls, skip_tokens, params.num_tokens)
+            if shape is None:
+                self.passed += 1
+                return None
+            reads.append((peer.peer_id, shape, params.block_ids, local))
         planned = time.monotonic()
-        if not self.reads.read(params.request_id, reads):
+        if not self.reads.read_blocks(params.request_id, reads):
             self.passed += 1
             return None
         self.copied += 1
-        return sum(d.nbytes for _, d in reads), planned
+        return sum(bp.nbytes for _, bp, _, _ in reads), planned
+
+    def _pieces(self, peer: Peer, layout: ParallelLayout, sls: list[SourceSlice], skip_tokens: int,
+                num_tokens: int) -> BlockPieces | None:
+        """The pieces of a load of this shape from ``peer`` (made once per shape, then kept); None:
+        the agent loads it (a shape the planner refuses, which the agent then names, or more than
+        MAX_PIECES pieces)."""
+        key = (peer.peer_id, layout, skip_tokens, num_tokens)
+        if key in self._shapes:
+            return self._shapes[key]
+        try:
+            plans = [DirectPlan.build(peer.side, self.local_side, s, skip_tokens, num_tokens) for s in sls]
+        except ValueError:
+            shape = None
+        else:
+            pieces = [p for plan in plans for p in plan.block_pieces()] \
+                if sum(len(plan.length) for plan in plans) <= MAX_PIECES else []
+            shape = BlockPieces(tuple(pieces), sum(p[-1] for p in pieces)) if pieces else None
+        if len(self._shapes) >= MAX_SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = shape
+        return shape
 
     @property
     def producers(self) -> int:

@@ -16,6 +16,12 @@ time. Tickets are never reused, so a row released and published again cannot loo
 A request not on the board (never held, a full probe window, a push hold) is read the
 two-sided way, with a grant: the board only ever makes reads faster, never different.
 
+The board lives in a shared-memory file (``memfd``, where the platform has one), and a hold of
+up to ``INLINE`` blocks keeps its ids in that file beside its row (its ``address`` points there):
+a reader on the same host may map the file and make the check and the recheck with memory reads,
+no system call (the cma plane's ``MappedBoard``), where reading the rows, the ids and the row
+again through ``process_vm_readv`` cost three calls a read.
+
 Like an RDMA one-sided read, the check is the reader's own: a process that may read another's
 memory (cma needs ptrace rights) could skip it. The producer that wants every read checked by
 itself turns the board off (``cma``'s ``one_sided: false``).
@@ -28,8 +34,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
+import os
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -38,6 +46,12 @@ SLOTS = 4096  # rows a request id hashes to
 WINDOW = 8  # rows probed from its hash (the table has SLOTS + WINDOW rows: no wrap-around)
 ROW = 4  # int64 fields: key, ticket, address of the block ids, their count
 ROW_BYTES = ROW * 8
+INLINE = 28  # block ids a hold keeps beside its row, in the board's file (a row and its ids: 256 bytes)
+
+
+def board_bytes(rows: int) -> int:
+    """The size of a board of ``rows`` rows: the table, then each row's inline block ids."""
+    return rows * (ROW + INLINE) * 8
 
 
 def key_of(request_id: str) -> int:
@@ -51,8 +65,22 @@ class HoldBoard:
 
     def __init__(self, slots: int = SLOTS) -> None:
         self.slots = slots
-        self.table = np.zeros((slots + WINDOW, ROW), dtype=np.int64)
-        self._rows: dict[str, tuple[int, np.ndarray]] = {}  # request id -> (row, its block ids, kept alive)
+        rows = slots + WINDOW
+        self.nbytes = board_bytes(rows)
+        self.fd = -1  # the shared-memory file the board lives in (-1: none, private memory)
+        try:
+            self.fd = os.memfd_create("kvxfer-hold-board", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            memory: np.ndarray = np.frombuffer(mmap.mmap(self.fd, self.nbytes), dtype=np.int64)
+        except (AttributeError, OSError):  # no memfd here: readers read it with process_vm_readv
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            memory = np.zeros(self.nbytes // 8, dtype=np.int64)
+        self.table = memory[: rows * ROW].reshape(rows, ROW)
+        self.inline = memory[rows * ROW :].reshape(rows, INLINE)
+        self._inline_at = int(self.inline.ctypes.data)
+        self._rows: dict[str, tuple[int, np.ndarray | None]] = {}  # request id -> (row, a long hold's ids, kept alive)
         self._tickets = itertools.count(1)
         self.full = 0  # holds not published: every row of their window was taken
 
@@ -80,10 +108,16 @@ class HoldBoard:
         ids = np.sort(np.asarray(block_ids, dtype=np.int64))
         if len(ids) > 1:
             ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
-        self._rows[request_id] = (row, ids)
+        if len(ids) <= INLINE:  # in the board's own file, beside the row (a mapped reader reads it there)
+            self.inline[row, : len(ids)] = ids
+            address = self._inline_at + row * INLINE * 8
+            self._rows[request_id] = (row, None)
+        else:
+            address = ids.ctypes.data
+            self._rows[request_id] = (row, ids)
         r = self.table[row]
-        r[0], r[2], r[3] = key, ids.ctypes.data, len(ids)
-        r[1] = next(self._tickets)  # last: a reader that sees this ticket sees the fields before it
+        r[0], r[2], r[3] = key, address, len(ids)
+        r[1] = next(self._tickets)  # last: a reader that sees this ticket sees the fields and ids before it
         return True
 
     def withdraw(self, request_id: str) -> None:
@@ -94,6 +128,15 @@ class HoldBoard:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def close(self) -> None:
+        """No read is allowed from here on (every ticket cleared; the owner publishes no more, but
+        withdraws still clear a row published in a race with this); the file's descriptor closed
+        (mappings readers made stay valid, and read an empty board)."""
+        self.table[:, 1] = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _find(window: np.ndarray, key: int) -> int | None:
@@ -131,23 +174,54 @@ def check_one_sided(read_at: Callable[[int, int], np.ndarray], board: tuple[int,
     ``board`` is the producer's (address, rows). The row comes back as ROW + 1 int64s: its
     fields, then its index on the board. After the copy, the caller reads the row again
     (:func:`row_unchanged`): the copy stands only if it is."""
+    try:
+        found = _published(read_at, board, request_id)
+        return found[0] if found is not None and blocks_held(first, last, found[1]) else None
+    except Exception:  # garbage read from a row being withdrawn: ask for a grant
+        return None
+
+
+def check_blocks(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int], request_id: str,
+                 blocks: Iterable[int]) -> np.ndarray | None:
+    """:func:`check_one_sided` for a read whose every piece lies inside one block: the row proving
+    each of ``blocks`` is held, or None."""
+    try:
+        found = _published(read_at, board, request_id)
+        if found is None:
+            return None
+        held = found[1].tolist() if len(found[1]) <= SMALL_CHECK else found[1]  # bisect reads an ndarray as it is
+        for b in blocks:
+            i = bisect_left(held, b)
+            if i == len(held) or held[i] != b:
+                return None
+        return found[0]
+    except Exception:  # garbage read from a row being withdrawn: ask for a grant
+        return None
+
+
+def _published(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int],
+               request_id: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The row published for ``request_id`` (ROW fields, then its index) and its block ids, or
+    None (not published, or unreadable: the producer exited)."""
     if board[1] <= WINDOW:
         return None
     key = key_of(request_id)
+    first_row = key % (board[1] - WINDOW)
     try:
-        first_row = key % (board[1] - WINDOW)
         window = _rows(read_at, board, first_row, WINDOW)
-        i = _find(window, key)
-        if i is None:
-            return None
-        row = np.empty(ROW + 1, dtype=np.int64)
-        row[:ROW] = window[i]
-        row[ROW] = first_row + i
-        if not 0 < row[3] <= 1 << 24:
-            return None
-        held = read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
-        return row if blocks_held(first, last, held) else None
-    except Exception:  # unreadable, or garbage read from a row being withdrawn: ask for a grant
+    except OSError:
+        return None
+    i = _find(window, key)
+    if i is None:
+        return None
+    row = np.empty(ROW + 1, dtype=np.int64)
+    row[:ROW] = window[i]
+    row[ROW] = first_row + i
+    if not 0 < row[3] <= 1 << 24:
+        return None
+    try:
+        return row, read_at(int(row[2]), int(row[3]) * 8).view(np.int64)
+    except OSError:
         return None
 
 

@@ -26,7 +26,7 @@ import torch
 
 from kvxfer.cache.spec import QUANT_HEADER_BYTES, KVCacheSpec, torch_dtype
 from kvxfer.cache.tensors import KVCache, MemoryRegion
-from kvxfer.dataplane import Descriptors, run_sums
+from kvxfer.dataplane import BlockPiece, Descriptors, run_sums
 from kvxfer.protocol import RegionInfo, SpecInfo
 from kvxfer.repack import place_heads, to_local
 from kvxfer.topology import SourceSlice
@@ -259,6 +259,16 @@ class DirectPlan:
             a.flags.writeable = False
         return cls(p // R, p // L, r_loc[:, 2:3], l_loc[:, 2:3], r_loc[:, 1:2] + r_in[None, :],
                    l_loc[:, 1:2] + l_in[None, :], rr, lr, ln, mergeable)
+
+    def block_pieces(self) -> list[BlockPiece]:
+        """The plan's pieces as ``BlockPieces`` tuples (uncoalesced: coalescing depends on the
+        block ids), in ``descriptors``' order."""
+        pairs, units = self.remote_inner.shape
+        return list(zip(self.remote_region.tolist(), np.tile(self.remote_unit, pairs).tolist(),
+                        np.repeat(self.remote_stride[:, 0], units).tolist(), self.remote_inner.ravel().tolist(),
+                        self.local_region.tolist(), np.tile(self.local_unit, pairs).tolist(),
+                        np.repeat(self.local_stride[:, 0], units).tolist(), self.local_inner.ravel().tolist(),
+                        self.length.tolist(), strict=True))
 
     def descriptors(self, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> Descriptors:
         """The plan for these block ids (int64; as many as the token range covers), coalesced."""
