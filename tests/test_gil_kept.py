@@ -87,6 +87,10 @@ def views(c: KVCache) -> dict[int, memoryview]:
     return {r.region_id: address_view(r.address, r.length) for r in c.regions}
 
 
+def strides(c: KVCache) -> dict[int, int]:
+    return {r.region_id: r.block_stride for r in c.regions}
+
+
 def heads(remote: range, local: range) -> SourceSlice:
     return SourceSlice(remote_tp_rank=0, remote_pp_rank=0, remote_rank=0, layers=range(4), remote_heads=remote,
                        local_heads=local)
@@ -152,7 +156,7 @@ def test_a_shape_read_through_its_block_pieces_lands_as_the_plan_says_and_keeps_
         src[:] = np.random.default_rng(i).integers(0, 256, len(src), dtype=np.uint8)
     plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), sl, skip, num)
     bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()))
-    shaped = peer_shape(bp, views(lc), views(rc))
+    shaped = peer_shape(bp, views(lc), views(rc), strides(rc))
     assert shaped is not None
     nr, nl = -(-num // r_bs), -(-num // l_bs)
     rb, lb = [(7 * j + 3) % 64 for j in range(nr)], [(11 * j + 5) % 64 for j in range(nl)]
@@ -181,12 +185,14 @@ def test_a_shape_with_a_region_not_mapped_or_a_piece_across_blocks_is_left_to_th
     plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), ALL, 0, 16)
     bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()))
     remote = views(rc)
-    assert peer_shape(bp, views(lc), remote) is not None
+    assert peer_shape(bp, views(lc), remote, strides(rc)) is not None
+    other = {**strides(rc), rc.regions[1].region_id: rc.regions[1].block_stride * 2}
+    assert peer_shape(bp, views(lc), remote, other) is None, "the board's block ids would index other blocks"
     remote.pop(rc.regions[0].region_id)
-    assert peer_shape(bp, views(lc), remote) is None
+    assert peer_shape(bp, views(lc), remote, strides(rc)) is None
     across = BlockPieces(tuple((rr, ru, rs, ri + rs // 2, lr, lu, ls, li, n) for rr, ru, rs, ri, lr, lu, ls, li, n
                                in bp.pieces), bp.nbytes)  # each piece's second half lies in the next block
-    assert peer_shape(across, views(lc), views(rc)) is None
+    assert peer_shape(across, views(lc), views(rc), strides(rc)) is None
 
 
 def test_the_board_check_keeps_the_gil_and_answers_as_searchsorted() -> None:

@@ -98,8 +98,8 @@ for line in sys.stdin:
 def test_a_mapped_board_answers_as_process_vm_readv_and_refuses_once_its_producer_exited() -> None:
     """A board in another process, mapped here (its file), read the way the cma plane reads it:
     the same rows and answers as process_vm_readv; a withdrawn row fails the recheck; and once the
-    producer exited, every check refuses though the mapping still shows its rows (its engine may
-    reuse the blocks)."""
+    producer was killed, every check refuses though the mapping still shows its rows (its engine
+    may reuse the blocks)."""
     import json
     import subprocess
     import sys
@@ -135,8 +135,8 @@ def test_a_mapped_board_answers_as_process_vm_readv_and_refuses_once_its_produce
         assert not row_unchanged(mapped, at, row) and check_blocks(mapped, at, "short", {3}) is None
         row = check_blocks(mapped, at, "long", {100})
         assert row is not None
-        proc.stdin.close()
-        assert proc.wait(timeout=30) == 0
+        proc.kill()  # SIGKILL: no exit handler clears its board
+        proc.wait(timeout=30)
         # the mapping still shows the row; the producer is gone: no read may stand
         assert mapped._bytes is not None and int(mapped._bytes[: rows * 32].view(np.int64).reshape(rows, 4)[
             int(row[4]), 1]) == int(row[1])
@@ -147,6 +147,36 @@ def test_a_mapped_board_answers_as_process_vm_readv_and_refuses_once_its_produce
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_hold_withdrawn_while_a_mapped_reader_looks_at_its_row_never_passes_the_recheck() -> None:
+    """A mapped reader's reads are views of live memory: the row it keeps must be the one it
+    checked. Here the hold is withdrawn just after the reader's snapshot of the window (the ticket
+    it saw cleared, the ids left beside the row): the read may be allowed, but never stand."""
+    from kvxfer.dataplane import address_view
+
+    board = HoldBoard(slots=64)
+    at = (board.address, board.rows)
+    board.publish("r", np.array([3, 4]))
+    withdrawn: list[bool] = []
+
+    class Racing(np.ndarray):
+        def tolist(self):  # type: ignore[no-untyped-def,override]
+            out = super().tolist()
+            if not withdrawn:
+                board.withdraw("r")
+                withdrawn.append(True)
+            return out
+
+    def live(address: int, nbytes: int) -> np.ndarray:
+        return np.frombuffer(address_view(address, nbytes), dtype=np.uint8).view(Racing)
+
+    for check in (lambda: check_blocks(live, at, "r", {3}), lambda: check_one_sided(live, at, "r", *ranges([3]))):
+        withdrawn.clear()
+        board.publish("r", np.array([3, 4]))
+        row = check()
+        assert withdrawn and (row is None or not row_unchanged(live, at, row))
+    board.close()
 
 
 def test_check_blocks_answers_as_check_one_sided_for_pieces_inside_one_block() -> None:

@@ -184,8 +184,8 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         files = self._files
         board_file = None
         if self._board is not None and self._board.fd >= 0:
-            st = os.fstat(self._board.fd)
-            board_file = RegionFile(fd=self._board.fd, dev=st.st_dev, ino=st.st_ino, offset=0)
+            dev, ino = self._board.file_id
+            board_file = RegionFile(fd=self._board.fd, dev=dev, ino=ino, offset=0)
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=boot_id(),
                                                  control=self._grant_server.address, regions=regions,
                                                  strides=strides, board=board, files=files, board_file=board_file))

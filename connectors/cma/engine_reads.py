@@ -14,8 +14,8 @@ file is not kept mapped.
 ``read_blocks`` (what the engine's loads call) derives what a shape's reads from one producer
 need once (``PeerShape``: each piece's two region views, the largest block id each side may take)
 and then, per load, checks its block ids against those bounds and the board, and copies piece by
-piece, with no numpy call: a 1-block load's planning and checks cost a tenth of a generic ``read``
-of its descriptors (vectorised bounds checks, the board check per piece). A shape it cannot take
+piece, with no vectorised numpy work: a 1-block load's planning and checks cost a third of a
+generic ``read`` of its descriptors (vectorised bounds checks, the board check per piece). A shape it cannot take
 that way (a region not mapped, a piece that crosses a block boundary) is read through ``read``.
 
 Threads: one caller at a time (the engine's connector holds its lock around every call).
@@ -32,6 +32,7 @@ import numpy as np
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import BlockPieces, Descriptors, EngineReads, address_view
 from kvxfer.transfer.hold_board import check_blocks, check_one_sided, row_unchanged
+from kvxfer.transfer.planner import coalesce
 
 from .memory import copy_from, iovecs
 from .peer import Peer, Pieces, open_peer, pieces, unmap
@@ -67,15 +68,18 @@ class PeerShape:
             lv[lo : lo + n] = rv[ro : ro + n]
 
 
-def peer_shape(bp: BlockPieces, local: dict[int, memoryview], remote: dict[int, memoryview]) -> PeerShape | None:
+def peer_shape(bp: BlockPieces, local: dict[int, memoryview], remote: dict[int, memoryview],
+               remote_strides: dict[int, int]) -> PeerShape | None:
     """``bp`` against these region views (this side's, the producer's mapped ones); None when a
-    region is not among them or a remote piece does not lie inside one block (the board's check
-    of it then needs the generic read)."""
+    region is not among them, a remote piece does not lie inside one block (the board's check
+    of it then needs the generic read), or the plan's remote block stride is not the one the
+    producer's cma address gives (``remote_strides``: what its board's block ids index)."""
     pieces = []
     lim: tuple[dict[int, int], dict[int, int]] = ({}, {})
     for rr, ru, rs, ri, lr, lu, ls, li, n in bp.pieces:
         lv, rv = local.get(lr), remote.get(rr)
-        if lv is None or rv is None or n <= 0 or ri < 0 or li < 0 or rs <= 0 or ri + n > rs:
+        if lv is None or rv is None or n <= 0 or ri < 0 or li < 0 or rs <= 0 or ri + n > rs \
+                or remote_strides.get(rr) != rs:
             return None
         for limits, unit, size, stride, inner in ((lim[0], lu, len(lv), ls, li), (lim[1], ru, len(rv), rs, ri)):
             top = NO_LIMIT if stride == 0 else (size - inner - n) // stride
@@ -172,9 +176,9 @@ class CmaEngineReads(EngineReads):
             peer = self._peers.get(peer_id)
             if peer is None:
                 return False
-            shape = self._shape(peer_id, bp)
+            shape = self._shape(peer_id, peer, bp)
             if shape is None:
-                return self.read(request_id, [(p, b.descriptors(r, lo)) for p, b, r, lo in reads])
+                return self._read_generic(request_id, reads)
             shaped.append((peer_id, peer, shape, rb, lb))
         rows = []
         for peer_id, peer, shape, rb, lb in shaped:
@@ -193,15 +197,27 @@ class CmaEngineReads(EngineReads):
                 return False
         return all(row_unchanged(peer.board_read, peer.addr.board, row) for peer, row in rows)
 
-    def _shape(self, peer_id: str, bp: BlockPieces) -> PeerShape | None:
+    def _shape(self, peer_id: str, peer: Peer, bp: BlockPieces) -> PeerShape | None:
         shapes = self._shapes.setdefault(peer_id, {})
         hit = shapes.get(id(bp))
         if hit is None or hit[0] is not bp:
             if len(shapes) >= MAX_SHAPES:
                 shapes.clear()
-            hit = (bp, peer_shape(bp, self._views, self._peer_views.get(peer_id, {})))
+            strides = dict(zip(peer.ids.tolist(), peer.strides.tolist(), strict=True))
+            hit = (bp, peer_shape(bp, self._views, self._peer_views.get(peer_id, {}), strides))
             shapes[id(bp)] = hit
         return hit[1]
+
+    def _read_generic(self, request_id: str,
+                      reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]) -> bool:
+        """A shape ``read_blocks`` cannot take itself, through ``read`` (coalesced descriptors:
+        fewer pieces for process_vm_readv); block ids the shape cannot take: False."""
+        try:
+            descs = [(peer_id, bp.descriptors(rb, lb)) for peer_id, bp, rb, lb in reads]
+        except (IndexError, ValueError, TypeError, OverflowError):
+            return False
+        return self.read(request_id, [(peer_id, coalesce(d.remote_region, d.remote_offset, d.local_region,
+                                                         d.local_offset, d.length)) for peer_id, d in descs])
 
     def _forget_if_gone(self, peer_id: str, peer: Peer) -> None:
         """The board did not allow a read: if the producer's memory cannot be read at all (it

@@ -16,9 +16,10 @@ engine's own tensors) is still read with ``process_vm_readv``.
 The hold board is a shared file too (``HoldBoard``): ``MappedBoard`` reads its rows and a small
 hold's block ids from a mapping. A mapping outlives its producer, whose board then still shows
 its last holds while the engine that owned the blocks may reuse them: so every read of a mapped
-board first asks the producer's ``pidfd`` whether it exited (a ``poll`` of a microsecond), as
+board first asks the producer's ``pidfd`` whether it exited (a ``poll``, about 2 us with ctypes), as
 ``process_vm_readv`` fails with ESRCH for a producer that exited. Mapped boards are read on
-x86-64 only, whose stores are seen in order (the producer writes a row's ticket last).
+x86-64 only, whose stores are seen in order (the producer writes a row's ticket last), and only
+with ``map_memory``; the board's file is sealed at its size (no reader can fault on it).
 
 A mapping must not be unmapped while a copy runs from it (a copy from an unmapped range is a
 segfault, not an error): the plane unmaps only under the lock its copies hold. A producer that
@@ -209,9 +210,9 @@ class MappedBoard:
 
     Threads: the caller's lock (the plane's ``_direct_lock``, or the engine's), as ``Peeker``."""
 
-    def __init__(self, fm: FileMap, address: int, nbytes: int, pid: int, peek: Peeker) -> None:
+    def __init__(self, fm: FileMap, address: int, nbytes: int, pid: int, pidfd: int, peek: Peeker) -> None:
         self.pid = pid
-        self._pidfd = os.pidfd_open(pid)
+        self._pidfd = pidfd  # this board's from now on: closed by close()
         self._poll = _PollFd(self._pidfd, 1, 0)  # POLLIN: the process exited
         self._bytes: np.ndarray | None = np.frombuffer(address_view(fm.address, nbytes), dtype=np.uint8)
         self._start, self._end = address, address + nbytes  # the board's file in the producer
@@ -234,9 +235,13 @@ class MappedBoard:
 def map_board(pid: int, rf: RegionFile, address: int, nbytes: int, peek: Peeker) -> tuple[FileMap, MappedBoard]:
     """Map a producer's hold board (``rf``, ``nbytes`` at ``address`` in the producer) read-only
     here. Raises OSError (named) when it cannot."""
-    fm = map_region(pid, rf, nbytes)
-    try:
-        return fm, MappedBoard(fm, address, nbytes, pid, peek)
+    try:  # first: the file found next is then surely this process's (its pid cannot be reused meanwhile)
+        pidfd = os.pidfd_open(pid)
     except (OSError, AttributeError) as e:  # no pidfd_open (Linux < 5.3): the board is read with process_vm_readv
-        fm.unmap()
         raise OSError(f"pid {pid}: no pidfd for its board ({e})") from None
+    try:
+        fm = map_region(pid, rf, nbytes)
+    except BaseException:
+        os.close(pidfd)
+        raise
+    return fm, MappedBoard(fm, address, nbytes, pid, pidfd, peek)

@@ -111,6 +111,9 @@ class EngineLoads:
                 self.passed += 1
                 return None
             reads.append((peer.peer_id, shape, params.block_ids, local))
+        if len(reads) > 1 and sum(len(bp.pieces) for _, bp, _, _ in reads) > MAX_PIECES:
+            self.passed += 1  # several producer ranks: the cap is the load's
+            return None
         planned = time.monotonic()
         if not self.reads.read_blocks(params.request_id, reads):
             self.passed += 1

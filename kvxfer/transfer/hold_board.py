@@ -5,7 +5,8 @@ otherwise ask the producer for a grant before every copy: a round trip through t
 threads that cost more than copying a 2 MiB block. The producer instead publishes each pull
 hold on a board: a fixed table of rows ``(key, ticket, address, count)``, where ``key`` is a
 hash of the request id, ``ticket`` a number never used twice, and ``address``/``count`` the
-hold's block ids (sorted and unique, an int64 array the board keeps alive while the row is published).
+hold's block ids (sorted and unique: beside the row in the board's file for a hold of up to
+``INLINE`` blocks, else an int64 array the board keeps alive while the row is published).
 
 A reader (see :func:`check_one_sided`) reads the row, the block ids, checks that every block
 its pieces touch is held, copies, and reads the row again: the copy stands only if the row is
@@ -18,9 +19,9 @@ two-sided way, with a grant: the board only ever makes reads faster, never diffe
 
 The board lives in a shared-memory file (``memfd``, where the platform has one), and a hold of
 up to ``INLINE`` blocks keeps its ids in that file beside its row (its ``address`` points there):
-a reader on the same host may map the file and make the check and the recheck with memory reads,
-no system call (the cma plane's ``MappedBoard``), where reading the rows, the ids and the row
-again through ``process_vm_readv`` cost three calls a read.
+a reader on the same host may map the file and make the check and the recheck with memory reads
+(the cma plane's ``MappedBoard``; each read first polls the producer's pidfd), where reading the
+rows, the ids and the row again through ``process_vm_readv`` cost three cross-process reads.
 
 Like an RDMA one-sided read, the check is the reader's own: a process that may read another's
 memory (cma needs ptrace rights) could skip it. The producer that wants every read checked by
@@ -32,10 +33,12 @@ time); readers are other processes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import mmap
 import os
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
 
@@ -68,9 +71,14 @@ class HoldBoard:
         rows = slots + WINDOW
         self.nbytes = board_bytes(rows)
         self.fd = -1  # the shared-memory file the board lives in (-1: none, private memory)
+        self.file_id = (0, 0)  # its st_dev and st_ino (a reader checks it opened this file)
         try:
-            self.fd = os.memfd_create("kvxfer-hold-board", os.MFD_CLOEXEC)
+            self.fd = os.memfd_create("kvxfer-hold-board", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.fd, self.nbytes)
+            # sealed at its size: a mapping reader can never fault on a shrunk file (SIGBUS)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            st = os.fstat(self.fd)
+            self.file_id = (st.st_dev, st.st_ino)
             memory: np.ndarray = np.frombuffer(mmap.mmap(self.fd, self.nbytes), dtype=np.int64)
         except (AttributeError, OSError):  # no memfd here: readers read it with process_vm_readv
             if self.fd >= 0:
@@ -78,6 +86,9 @@ class HoldBoard:
                 self.fd = -1
             memory = np.zeros(self.nbytes // 8, dtype=np.int64)
         self.table = memory[: rows * ROW].reshape(rows, ROW)
+        # a board dropped without close() allows no read either: a mapping reader would otherwise
+        # see its last rows for as long as this process lives, and no withdraw would reach them
+        self._finalizer = weakref.finalize(self, _retire, self.table, self.fd)
         self.inline = memory[rows * ROW :].reshape(rows, INLINE)
         self._inline_at = int(self.inline.ctypes.data)
         self._rows: dict[str, tuple[int, np.ndarray | None]] = {}  # request id -> (row, a long hold's ids, kept alive)
@@ -133,16 +144,22 @@ class HoldBoard:
         """No read is allowed from here on (every ticket cleared; the owner publishes no more, but
         withdraws still clear a row published in a race with this); the file's descriptor closed
         (mappings readers made stay valid, and read an empty board)."""
-        self.table[:, 1] = 0
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.fd = -1
+        self._finalizer()
 
 
-def _find(window: np.ndarray, key: int) -> int | None:
-    """Where in ``window`` the published row for ``key`` is (a scan of WINDOW Python ints: cheaper
-    than the numpy calls that would do it), or None."""
-    for i, (k, ticket, _, _) in enumerate(window.tolist()):
+def _retire(table: np.ndarray, fd: int) -> None:
+    """Every ticket cleared, the file's descriptor closed (once: at close, or when the board goes)."""
+    table[:, 1] = 0
+    if fd >= 0:
+        os.close(fd)
+
+
+def _find(window: list[list[int]], key: int) -> int | None:
+    """Where in ``window`` (rows as Python ints: one snapshot of the board's memory, which a
+    mapped reader would otherwise read again while the producer writes it) the published row for
+    ``key`` is, or None."""
+    for i, (k, ticket, _, _) in enumerate(window):
         if k == key and ticket != 0:
             return i
     return None
@@ -208,15 +225,13 @@ def _published(read_at: Callable[[int, int], np.ndarray], board: tuple[int, int]
     key = key_of(request_id)
     first_row = key % (board[1] - WINDOW)
     try:
-        window = _rows(read_at, board, first_row, WINDOW)
+        window = _rows(read_at, board, first_row, WINDOW).tolist()  # the row checked is the row kept
     except OSError:
         return None
     i = _find(window, key)
     if i is None:
         return None
-    row = np.empty(ROW + 1, dtype=np.int64)
-    row[:ROW] = window[i]
-    row[ROW] = first_row + i
+    row = np.array([*window[i], first_row + i], dtype=np.int64)
     if not 0 < row[3] <= 1 << 24:
         return None
     try:
@@ -229,7 +244,7 @@ def row_unchanged(read_at: Callable[[int, int], np.ndarray], board: tuple[int, i
     """After the copy: is the row that allowed it (from :func:`check_one_sided`) still the same,
     so the blocks stayed held? Only its own index is read again: its ticket was never used
     before, so the same fields can be nowhere else."""
-    if board[1] <= WINDOW or not 0 <= row[ROW] < board[1]:
+    if board[1] <= WINDOW or not 0 <= row[ROW] < board[1] or row[1] == 0:
         return False
     try:
         now = _rows(read_at, board, int(row[ROW]), 1)
