@@ -292,11 +292,17 @@ def consumer_server(cfg_json: bytes, rank: int, conn: Any, env: dict[str, str] |
         conn.send(("error", traceback.format_exc()))
 
 
-CTX = mp.get_context("spawn")
+# Rank processes fork from a server process that imported these modules once (a spawned process
+# spent about 3 s importing torch and kvxfer, most of a bit-exact test's time). The server only
+# imports: no thread, no UCX context, no socket; each rank builds its own, as a spawned one did, and
+# gets the environment it needs as an argument (``env``), not from the server's.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["kvproc", "pushproc", "kvxfer.agent.client", "kvxfer.transfer.consumer",
+                            "kvxfer.transfer.producer"])
 
 
 def start(target: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """Run ``target(*args, pipe_end, **kwargs)`` in a fresh (spawned) process."""
+    """Run ``target(*args, pipe_end, **kwargs)`` in a fresh process (forked from the server above)."""
     parent, child = CTX.Pipe()
     p = CTX.Process(target=target, args=(*args, child), kwargs=kwargs, daemon=True)
     p.start()
