@@ -337,7 +337,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         """After the copy: the batch's result, which stands only if the board row is unchanged.
         Caller holds _direct_lock (the peer's Peeker is used under it)."""
         try:
-            if not row_unchanged(peer.board_read, peer.addr.board, row):
+            if not row_unchanged(peer.peek, peer.addr.board, row):
                 raise ReadRefused(ErrorCode.NOT_HELD, f"request {r.request_id}: the hold ended while it was read")
         except Exception as e:
             return self._read_failed(r.peer_id, r.request_id, r.batch_id, e)

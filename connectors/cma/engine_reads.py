@@ -167,7 +167,7 @@ class CmaEngineReads(EngineReads):
             except (OSError, ValueError, KeyError) as e:  # ruled out by the checks above; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
-        return all(row_unchanged(peer.board_read, peer.addr.board, row) for _, peer, _, _, _, row in allowed)
+        return all(row_unchanged(peer.peek, peer.addr.board, row) for _, peer, _, _, _, row in allowed)
 
     def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]
                     ) -> bool:
@@ -195,7 +195,7 @@ class CmaEngineReads(EngineReads):
             except (ValueError, IndexError, TypeError) as e:  # ruled out by the checks above; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
-        return all(row_unchanged(peer.board_read, peer.addr.board, row) for peer, row in rows)
+        return all(row_unchanged(peer.peek, peer.addr.board, row) for peer, row in rows)
 
     def _shape(self, peer_id: str, peer: Peer, bp: BlockPieces) -> PeerShape | None:
         shapes = self._shapes.setdefault(peer_id, {})

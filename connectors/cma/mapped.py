@@ -14,12 +14,13 @@ and maps the region's pages read-only (``map_region``). Memory that is not a sha
 engine's own tensors) is still read with ``process_vm_readv``.
 
 The hold board is a shared file too (``HoldBoard``): ``MappedBoard`` reads its rows and a small
-hold's block ids from a mapping. A mapping outlives its producer, whose board then still shows
-its last holds while the engine that owned the blocks may reuse them: so every read of a mapped
-board first asks the producer's ``pidfd`` whether it exited (a ``poll``, about 2 us with ctypes), as
-``process_vm_readv`` fails with ESRCH for a producer that exited. Mapped boards are read on
-x86-64 only, whose stores are seen in order (the producer writes a row's ticket last), and only
-with ``map_memory``; the board's file is sealed at its size (no reader can fault on it).
+hold's block ids from a mapping for the check before a copy. The recheck after the copy still
+reads the row with ``process_vm_readv``: a mapping outlives its producer, whose board then still
+shows its last holds while the engine that owned the blocks may reuse them, and only a read of the
+producer's own memory fails (ESRCH) from the moment that memory is torn down, which the kernel does
+before it closes the producer's files (the channel its engine would learn of its death by).
+Mapped boards are read on x86-64 only, whose stores are seen in order (the producer writes a row's
+ticket last), and only with ``map_memory``; the board's file is sealed at its size.
 
 A mapping must not be unmapped while a copy runs from it (a copy from an unmapped range is a
 segfault, not an error): the plane unmaps only under the lock its copies hold. A producer that
@@ -57,10 +58,6 @@ _memcpy_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcpy_keep_gil.restype = ctypes.c_void_p
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = mmap.PAGESIZE
-# poll with the GIL kept (a zero timeout: it never waits); select.poll releases it
-_poll_keep_gil = ctypes.PyDLL(_LIBC_NAME, use_errno=True).poll
-_poll_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int]
-_poll_keep_gil.restype = ctypes.c_int
 
 
 class RegionFile(msgspec.Struct, frozen=True, array_like=True):
@@ -198,50 +195,36 @@ def copy_mapped(local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -
         copy(d, s, n)
 
 
-class _PollFd(ctypes.Structure):
-    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
-
-
 class MappedBoard:
     """A producer's hold board read through this process's read-only mapping of its file (the
-    module doc): a ``read_at(address, nbytes)`` for ``check_one_sided``/``row_unchanged`` whose
+    module doc): a ``read_at(address, nbytes)`` for ``check_one_sided``/``check_blocks`` whose
     reads are memory reads; a read outside the board's file (a long hold's block ids) goes to
-    ``peek``. Every read raises OSError once the producer exited.
+    ``peek``. Only the check before a copy reads it: the recheck after reads the row with
+    ``peek`` (process_vm_readv), which fails once the producer's memory is gone, before its
+    engine can learn that it died (the kernel tears a process's memory down before it closes its
+    files, the channel to its engine among them), while a mapping still shows its last rows.
 
     Threads: the caller's lock (the plane's ``_direct_lock``, or the engine's), as ``Peeker``."""
 
-    def __init__(self, fm: FileMap, address: int, nbytes: int, pid: int, pidfd: int, peek: Peeker) -> None:
-        self.pid = pid
-        self._pidfd = pidfd  # this board's from now on: closed by close()
-        self._poll = _PollFd(self._pidfd, 1, 0)  # POLLIN: the process exited
+    def __init__(self, fm: FileMap, address: int, nbytes: int, peek: Peeker) -> None:
         self._bytes: np.ndarray | None = np.frombuffer(address_view(fm.address, nbytes), dtype=np.uint8)
         self._start, self._end = address, address + nbytes  # the board's file in the producer
-        self._peek = peek
+        self.peek = peek
 
     def __call__(self, address: int, nbytes: int) -> np.ndarray:
-        if self._bytes is None or _poll_keep_gil(ctypes.byref(self._poll), 1, 0) != 0:
-            raise OSError(f"pid {self.pid} exited (or its board was let go): its board is not read any more")
+        if self._bytes is None:
+            raise OSError("the board's mapping was let go")
         if self._start <= address and address + nbytes <= self._end:
             return self._bytes[address - self._start : address - self._start + nbytes]
-        return self._peek(address, nbytes)
+        return self.peek(address, nbytes)
 
     def close(self) -> None:
         """Before the mapping goes: no read through it from here on."""
-        if self._bytes is not None:
-            self._bytes = None
-            os.close(self._pidfd)
+        self._bytes = None
 
 
 def map_board(pid: int, rf: RegionFile, address: int, nbytes: int, peek: Peeker) -> tuple[FileMap, MappedBoard]:
     """Map a producer's hold board (``rf``, ``nbytes`` at ``address`` in the producer) read-only
     here. Raises OSError (named) when it cannot."""
-    try:  # first: the file found next is then surely this process's (its pid cannot be reused meanwhile)
-        pidfd = os.pidfd_open(pid)
-    except (OSError, AttributeError) as e:  # no pidfd_open (Linux < 5.3): the board is read with process_vm_readv
-        raise OSError(f"pid {pid}: no pidfd for its board ({e})") from None
-    try:
-        fm = map_region(pid, rf, nbytes)
-    except BaseException:
-        os.close(pidfd)
-        raise
-    return fm, MappedBoard(fm, address, nbytes, pid, pidfd, peek)
+    fm = map_region(pid, rf, nbytes)
+    return fm, MappedBoard(fm, address, nbytes, peek)

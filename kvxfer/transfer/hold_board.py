@@ -20,7 +20,7 @@ two-sided way, with a grant: the board only ever makes reads faster, never diffe
 The board lives in a shared-memory file (``memfd``, where the platform has one), and a hold of
 up to ``INLINE`` blocks keeps its ids in that file beside its row (its ``address`` points there):
 a reader on the same host may map the file and make the check and the recheck with memory reads
-(the cma plane's ``MappedBoard``; each read first polls the producer's pidfd), where reading the
+(the cma plane's ``MappedBoard``; the recheck still reads the producer's own memory), where reading the
 rows, the ids and the row again through ``process_vm_readv`` cost three cross-process reads.
 
 Like an RDMA one-sided read, the check is the reader's own: a process that may read another's
