@@ -167,7 +167,7 @@ class CmaEngineReads(EngineReads):
             except (OSError, ValueError, KeyError) as e:  # ruled out by the checks above; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
-        return all(row_unchanged(peer.peek, peer.addr.board, row) for _, peer, _, _, _, row in allowed)
+        return self._rechecked([(peer_id, peer, row) for peer_id, peer, _, _, _, row in allowed])
 
     def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]
                     ) -> bool:
@@ -180,7 +180,7 @@ class CmaEngineReads(EngineReads):
             if shape is None:
                 return self._read_generic(request_id, reads)
             shaped.append((peer_id, peer, shape, rb, lb))
-        rows = []
+        rows: list[tuple[str, Peer, np.ndarray]] = []
         for peer_id, peer, shape, rb, lb in shaped:
             if not shape.in_bounds(rb, lb):
                 return False
@@ -188,14 +188,23 @@ class CmaEngineReads(EngineReads):
             if row is None:
                 self._forget_if_gone(peer_id, peer)
                 return False
-            rows.append((peer, row))
+            rows.append((peer_id, peer, row))
         for _, _, shape, rb, lb in shaped:
             try:
                 shape.copy(rb, lb)
             except (ValueError, IndexError, TypeError) as e:  # ruled out by the checks above; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
-        return all(row_unchanged(peer.peek, peer.addr.board, row) for peer, row in rows)
+        return self._rechecked(rows)
+
+    def _rechecked(self, rows: list[tuple[str, Peer, np.ndarray]]) -> bool:
+        """After the copy: every row unchanged, read from the producer's own memory (a mapping of
+        its board outlives it). A producer that cannot be read any more is forgotten."""
+        if all(row_unchanged(peer.peek, peer.addr.board, row) for _, peer, row in rows):
+            return True
+        for peer_id, peer, _ in rows:
+            self._forget_if_gone(peer_id, peer)
+        return False
 
     def _shape(self, peer_id: str, peer: Peer, bp: BlockPieces) -> PeerShape | None:
         shapes = self._shapes.setdefault(peer_id, {})
