@@ -262,13 +262,15 @@ class DirectPlan:
 
     def block_pieces(self) -> list[BlockPiece]:
         """The plan's pieces as ``BlockPieces`` tuples (uncoalesced: coalescing depends on the
-        block ids), in ``descriptors``' order."""
-        pairs, units = self.remote_inner.shape
-        return list(zip(self.remote_region.tolist(), np.tile(self.remote_unit, pairs).tolist(),
-                        np.repeat(self.remote_stride[:, 0], units).tolist(), self.remote_inner.ravel().tolist(),
-                        self.local_region.tolist(), np.tile(self.local_unit, pairs).tolist(),
-                        np.repeat(self.local_stride[:, 0], units).tolist(), self.local_inner.ravel().tolist(),
-                        self.length.tolist(), strict=True))
+        block ids), in ``descriptors``' order. In Python from ``tolist``s: an engine's thread makes
+        them, and numpy's ``repeat``/``tile`` may let the GIL go."""
+        ru, lu = self.remote_unit.tolist(), self.local_unit.tolist()
+        rs, ls = self.remote_stride[:, 0].tolist(), self.local_stride[:, 0].tolist()
+        ri, li = self.remote_inner.tolist(), self.local_inner.tolist()
+        rr, lr, n = self.remote_region.tolist(), self.local_region.tolist(), self.length.tolist()
+        units = len(ru)
+        return [(rr[k], ru[u], rs[p], ri[p][u], lr[k], lu[u], ls[p], li[p][u], n[k])
+                for p in range(len(rs)) for u in range(units) for k in (p * units + u,)]
 
     def descriptors(self, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> Descriptors:
         """The plan for these block ids (int64; as many as the token range covers), coalesced."""
