@@ -4,7 +4,10 @@ the unit under test is kvxfer's mapping, not vLLM)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -275,3 +278,49 @@ def test_an_empty_engine_step_waits_for_loads_in_flight_and_a_step_with_work_nev
     rec.finished = ["r1"]
     assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S  # this poll reports the load finished
     assert step(0) == 0.0  # nothing in flight any more
+
+
+class _CountingConnector:
+    """The adapter's collaborator: counts how often its counters are asked for (with an agent, a round trip)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def stats(self) -> dict[str, float]:
+        self.asked += 1
+        return {"loads_started": float(self.asked), "loads_ok": float(self.asked)}
+
+
+def test_vllm_asks_for_stats_every_step_and_the_agent_is_asked_at_most_once_an_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    now = [100.0]
+    monkeypatch.setattr(vllm_adapter.time, "monotonic", lambda: now[0])
+    worker = vllm_adapter.KvxferConnector(vllm_config(), KVConnectorRole.WORKER, SimpleNamespace(num_blocks=64))
+    rec = _CountingConnector()
+    worker.connector = rec  # type: ignore[assignment]
+    first = worker.get_kv_connector_stats()
+    assert first is not None and first.data["loads_started"] == 1
+    for _ in range(50):  # fifty steps within the interval: no round trip, nothing to report
+        now[0] += vllm_adapter.STATS_INTERVAL_S / 100
+        assert worker.get_kv_connector_stats() is None
+    assert rec.asked == 1
+    now[0] += vllm_adapter.STATS_INTERVAL_S
+    later = worker.get_kv_connector_stats()
+    assert rec.asked == 2 and later is not None and later.data["loads_started"] == 1, "the increment since the first"
+
+
+def test_kvxfer_records_reach_a_vllm_processs_stderr_with_time_level_and_origin() -> None:
+    """vLLM configures only its own loggers: without the adapter's handler kvxfer's warnings came out
+    as bare text (Python's last-resort handler), which no one could tell from other lines."""
+    code = ("import logging, vllm.logger; import kvxfer.integrations.vllm as a; a._log_to_stderr(); a._log_to_stderr();"
+            " logging.getLogger('kvxfer.agent.client').info('not shown'); "
+            "logging.getLogger('kvxfer.agent.client').error('rank 0: agent gone')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "KVXFER_LOG_LEVEL"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if "agent gone" in ln or "not shown" in ln]
+    assert len(lines) == 1, r.stderr[-2000:]  # once (one handler however often called), INFO not shown
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+"
+    assert re.match(rf"^{stamp} ERROR kvxfer\[\d+\] kvxfer\.agent\.client: rank 0: agent gone$", lines[0]), lines[0]

@@ -28,6 +28,7 @@ import copy
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -351,18 +352,30 @@ class KvxferStats(KVConnectorStats):
 # 16 MiB load takes here (4-8 ms on cma): with 2 ms the wait ran out first and the load was handed
 # over a few steps later (median 4.7 ms after the agent's event, against 0.6 ms with 10 ms)
 IDLE_STEP_WAIT_S = 0.010
+# vLLM's stats interval is 10 s; its counters lag kvxfer's by at most this much
+STATS_INTERVAL_S = 1.0
 COUNTERS = ("loads_started", "loads_ok", "loads_failed", "load_timeouts", "bytes_received", "busy_s")
 
 
 def _log_to_stderr() -> None:
-    """vLLM configures only its own loggers: with ``KVXFER_LOG_LEVEL`` set, kvxfer's go to stderr too."""
-    level = os.environ.get("KVXFER_LOG_LEVEL")
+    """vLLM configures only its own loggers, so kvxfer's records would reach its log through
+    Python's last-resort handler: bare text, no time, level or origin (an operator, or a test
+    reading the log, could not tell a kvxfer error from any other line). Unless the process's root
+    logger has a handler already (the application's own), they go to stderr with time, level,
+    process and logger; at WARNING, or ``KVXFER_LOG_LEVEL``. Once per process."""
     root = logging.getLogger("kvxfer")
-    if level and not root.handlers:
+    if not root.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s kvxfer[%(process)d] %(name)s: %(message)s"))
         root.addHandler(handler)
-        root.setLevel(level.upper())
+        if root.level == logging.NOTSET:
+            root.setLevel(logging.WARNING)
+    level = os.environ.get("KVXFER_LOG_LEVEL")
+    if level:
+        try:
+            root.setLevel(level.upper())
+        except ValueError:
+            root.warning("KVXFER_LOG_LEVEL=%s is not a logging level; ignored", level)
 
 
 def _params_of(request: Request) -> KVTransferParams | None:
@@ -400,6 +413,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._released_now: set[str] = set()  # holds that could not be made: blocks go back at once
         self._loading: set[str] = set()  # loads started and not yet reported finished or failed
         self._last: dict[str, float] = {}
+        self._stats_due = 0.0  # monotonic time of the next get_kv_connector_stats that asks the agent
         _log_to_stderr()
         logger.info("kvxfer %s side for %s (%s, data plane %s)", role.name.lower(), self.cfg.engine_id,
                     self.cfg.role, self.cfg.connector.name)
@@ -587,8 +601,15 @@ class KvxferConnector(KVConnectorBase_V1):
         return out
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """kvxfer's counter increments since the last report, at most every STATS_INTERVAL_S: vLLM asks
+        every step, and with a transfer agent each answer is a round trip to it, which every step of
+        every worker would wait for (vLLM logs these at its own, longer interval)."""
         if self.connector is None:
             return None
+        t = time.monotonic()
+        if t < self._stats_due:
+            return None
+        self._stats_due = t + STATS_INTERVAL_S
         now = self.connector.stats()
         delta = {k: now.get(k, 0) - self._last.get(k, 0) for k in COUNTERS}
         self._last = now

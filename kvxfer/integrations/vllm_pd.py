@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ MAX_NUM_SEQS = 8  # sequences a server runs at once (--max-num-seqs)
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+# vLLM's engine core, when a worker has not taken its last step's input for a minute (logged at INFO)
+_STALLED = "No available shared memory broadcast block"
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*:")  # "RuntimeError: ...", "ucxx.x.UCXError: ..."
 
 
@@ -163,8 +166,31 @@ class VllmServer:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        hits = [ln.strip() for ln in lines if (" WARNING " in ln and "kvxfer" in ln) or " ERROR " in ln][-n:]
+        hits = [ln.strip() for ln in lines if (" WARNING " in ln and "kvxfer" in ln) or " ERROR " in ln
+                or _STALLED in ln][-n:]
         return "\n".join(f"{self.log_path.name}: {ln}" for ln in hits)
+
+    def stacks(self, frames: int = 12) -> str:
+        """Where each of the server's processes is now (its threads' innermost ``frames`` Python frames,
+        by ``py-spy dump``, where py-spy is installed): for a request that got no answer. Empty if
+        py-spy is missing or the server is gone."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists() or self.proc.poll() is not None:
+            return ""
+        try:
+            pids = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True,
+                                  timeout=10).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        out = []
+        for pid in pids:
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.SubprocessError) as e:
+                out.append(f"{self.log_path.name} pid {pid}: no dump ({e})")
+                continue
+            out.append(f"{self.log_path.name} pid {pid}:\n" + _innermost(dump, frames))
+        return "\n".join(out)
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -197,6 +223,20 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return int(self.proc.returncode)
+
+
+def _innermost(dump: str, frames: int) -> str:
+    """A ``py-spy dump``'s process line and, per thread, its first ``frames`` frames (innermost first)."""
+    out: list[str] = []
+    left = 0
+    for line in dump.splitlines():
+        if line.startswith("Process ") or line.startswith("Thread "):
+            out.append(line)
+            left = frames
+        elif line.startswith(" ") and left > 0:
+            out.append(line)
+            left -= 1
+    return "\n".join(out)
 
 
 def prometheus_samples(url: str) -> dict[str, float]:
