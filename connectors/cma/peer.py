@@ -100,12 +100,15 @@ class Peer:
     sizes: np.ndarray
     strides: np.ndarray  # bytes per block, by position in ids (0: unknown, no one-sided reads)
     peek: Peeker  # small reads of its memory, under the plane's _direct_lock
-    board_read: Callable[[int, int], np.ndarray]  # reads of its hold board: peek, or a MappedBoard
     patterns: dict[bytes, Pieces] = field(default_factory=dict)  # one-sided reads' (under _direct_lock)
     mapped: np.ndarray | None = None  # by position in ids, the region's address in maps (0: not mapped)
     maps: list[FileMap] = field(default_factory=list)  # unmapped under _direct_lock only (mapped.py)
-    board: MappedBoard | None = None  # its hold board, mapped (then also board_read)
+    board: MappedBoard | None = None  # its hold board, mapped
 
+    @property
+    def board_read(self) -> Callable[[int, int], np.ndarray]:
+        """Reads of its hold board: from the mapping, else with process_vm_readv (peek)."""
+        return self.board if self.board is not None else self.peek
 
 
 def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> tuple[Peer, bool]:
@@ -134,7 +137,7 @@ def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> t
     ids = np.array(sorted(addr.regions), dtype=np.int64)
     peer = Peer(addr, None, token, np.array([addr.regions[int(i)][0] for i in ids], dtype=np.int64), ids,
                 np.array([addr.regions[int(i)][1] for i in ids], dtype=np.int64),
-                np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), peek, peek)
+                np.array([max(addr.strides.get(int(i), 0), 0) for i in ids], dtype=np.int64), peek)
     one_sided = addr.board[1] > WINDOW and bool((peer.strides > 0).all())
     if one_sided and map_memory:
         _map(peer_id, peer)
@@ -155,7 +158,6 @@ def _map_board(peer_id: str, peer: Peer) -> None:
                     peer_id, peer.addr.pid, e)
         return
     peer.maps.append(fm)
-    peer.board_read = peer.board
 
 
 def _map(peer_id: str, peer: Peer) -> None:
@@ -189,7 +191,6 @@ def unmap(peer: Peer | None) -> None:
         if peer.board is not None:
             peer.board.close()
             peer.board = None
-            peer.board_read = peer.peek
         for m in peer.maps:
             m.unmap()
         peer.maps = []
