@@ -300,6 +300,11 @@ class ConnectorConfig(Config, frozen=True):
     # ranks the agent has handshaken, checked against their hold boards: no round trip through the
     # agent, as NIXL's caller copies. Anything else goes to the agent. 0: the agent loads everything.
     engine_copy_bytes: NonNegativeInt = 4 << 20
+    # With a transfer agent: the interpreter's switch interval while this rank has loads in flight
+    # (process-wide; the engine's own value comes back when no rank of the process has any). A busy
+    # Python thread of the engine then hands the GIL to the thread that sees a load finish after this
+    # long, not CPython's 5 ms. 0: never changed.
+    gil_switch_interval_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.0005
 
     @check("data_plane")
     def _check_data_plane(self) -> Iterator[Problem]:

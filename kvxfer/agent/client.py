@@ -59,6 +59,7 @@ from kvxfer.agent.messages import (
     Wait,
 )
 from kvxfer.agent.shared import share_tensors
+from kvxfer.agent.switch_interval import SwitchInterval
 from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
@@ -183,6 +184,8 @@ class AgentConnector:
         self._untold: list[EngineCopied] = []  # copied loads the agent has not been sent yet (_tell_copied)
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
+        # the interpreter's switch interval, short while loads are in flight (switch_interval.py)
+        self._switch = SwitchInterval(config.connector.gil_switch_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
     def register_kv_caches(self, cache: KVCache) -> None:
@@ -286,6 +289,7 @@ class AgentConnector:
             if self._engine_loads is not None:
                 self._engine_loads.close()
                 self._engine_loads = None
+        self._switch.want(False)
         if self.cache is not None:
             unpin(self.cache)  # the host mirror's pinning (a device cache's), once the agent is gone
 
@@ -474,6 +478,7 @@ class AgentConnector:
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
         if self._engine_loads is not None and self._copy_here(request_id, params, ids, num_cached_tokens):
             return
+        self._switch.want(True)  # before the agent has it: its event may come at once
         try:
             self._send_only(StartLoad(request_id, params, ids.tolist(), num_cached_tokens))
         except RuntimeError:
@@ -557,6 +562,7 @@ class AgentConnector:
             if self._dead is not None:
                 raise RuntimeError(f"rank {self.rank}: cannot reserve: {self._dead}")
             self._loads[request_id] = _Load(ids[:need], self.clock() + t.reservation_s)
+            self._switch.want(True)
             self._landed[request_id] = set()
             self._outcomes.pop(request_id, None)
         try:
@@ -626,6 +632,7 @@ class AgentConnector:
                 out.extend(self._failed)
                 self._failed = Finished()
             waiting = not timeout_s and bool(self._loads)
+            self._switch.want(bool(self._loads))
         if waiting and not out:
             # an engine that polls in a loop keeps its core busy while its loads need the agent's
             # threads to run: offer the core to them (a system call when nobody else wants it).

@@ -566,7 +566,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "ucx-2s: the ucx plane with reads: two-sided (its default is one-sided); ucx-native: with "
                          "rma_progress: native (in an agent its default is adaptive); cma-agent: the cma plane with "
                          "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
-                         "thread copies a small load itself)")
+                         "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "
+                         "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
     ap.add_argument("--peers", action="store_true",

@@ -1,0 +1,88 @@
+"""The interpreter's switch interval is short while a rank's loads are in flight, and the engine's
+own value comes back after (kvxfer/agent/switch_interval.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from test_agent import cfg, make, wait_for
+
+from kvxfer.agent.client import AgentConnector
+from kvxfer.agent.switch_interval import SwitchInterval
+from kvxfer.config import ConfigError, InstanceConfig, convert
+
+
+@pytest.fixture(autouse=True)
+def cpython_default() -> Iterator[float]:
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield 0.005
+    sys.setswitchinterval(old)
+
+
+def test_the_interval_is_short_while_any_connector_wants_it_and_comes_back_after_the_last() -> None:
+    a, b = SwitchInterval(0.0005), SwitchInterval(0.0005)
+    a.want(True)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    a.want(True)  # idempotent: still one claim
+    b.want(True)
+    a.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.0005), "b still has loads in flight"
+    b.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    b.want(False)  # a second release changes nothing
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_a_value_the_engine_sets_meanwhile_is_left_as_it_is() -> None:
+    s = SwitchInterval(0.0005)
+    s.want(True)
+    sys.setswitchinterval(0.002)  # the engine's own choice, made while loads were in flight
+    s.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+def test_zero_never_touches_it_and_an_interval_already_shorter_is_not_raised() -> None:
+    off = SwitchInterval(0.0)
+    off.want(True)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    off.want(False)
+    sys.setswitchinterval(0.0001)
+    s = SwitchInterval(0.0005)
+    s.want(True)
+    assert sys.getswitchinterval() == pytest.approx(0.0001)
+    s.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.0001)
+    with pytest.raises(ValueError, match="gil_switch_interval_s"):
+        SwitchInterval(-1.0)
+
+
+def test_an_interval_out_of_range_is_refused_by_its_path() -> None:
+    data = {"role": "decode", "engine_id": "d", "connector": {"gil_switch_interval_s": 1.0}}
+    with pytest.raises(ConfigError, match=r"connector\.gil_switch_interval_s"):
+        convert(data, InstanceConfig, "test.yaml")
+
+
+@pytest.mark.parametrize("interval", [0.0005, 0.0])
+def test_a_load_through_the_agent_shortens_the_interval_until_a_poll_reports_it(interval: float) -> None:
+    p, _ = make(cfg("prefill"), fill=1)
+    c_cfg = cfg("decode")
+    c_cfg = msgspec.structs.replace(c_cfg, connector=msgspec.structs.replace(c_cfg.connector,
+                                                                             gil_switch_interval_s=interval))
+    c, _ = make(c_cfg)
+    try:
+        assert isinstance(c, AgentConnector)
+        assert sys.getswitchinterval() == pytest.approx(0.005), "no load in flight yet"
+        params = p.hold("r1", [1, 2, 3], 40)
+        c.start_load("r1", params, [7, 8, 9])
+        assert sys.getswitchinterval() == pytest.approx(interval or 0.005)  # until a poll reports it
+        assert wait_for(c, "r1").receiving == ["r1"]
+        assert sys.getswitchinterval() == pytest.approx(0.005), "no load in flight: the engine's own value"
+        c.start_load("r2", p.hold("r2", [4], 16), [10])
+    finally:
+        c.close()  # with r2 perhaps still in flight: closing gives the interval back too
+        p.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
