@@ -40,14 +40,14 @@ NB = 64
 
 
 def cfg(role: str, plane: str = "tcp", transfer_s: float = 10.0, hold_wait_s: float = 1.0,
-        data_path: str = "auto", host_staging: str = "auto") -> InstanceConfig:
+        data_path: str = "auto", host_staging: str = "auto", gil_switch_interval_s: float = 0.0005) -> InstanceConfig:
     return InstanceConfig(
         role=role, engine_id=f"agent-{role}",
         model=ModelConfig(num_layers=3, num_kv_heads=2, num_heads=4, head_size=16),
         cache=CacheConfig(block_size=16, num_blocks=NB),
         connector=ConnectorConfig(
             name=plane, side_channel=SideChannelConfig(host="127.0.0.1", port=0), data_path=data_path,
-            host_staging=host_staging,
+            host_staging=host_staging, gil_switch_interval_s=gil_switch_interval_s,
             timeouts=TimeoutsConfig(handshake_s=5.0, handshake_retries=1, transfer_s=transfer_s,
                                     hold_wait_s=hold_wait_s)),
     )
@@ -497,13 +497,24 @@ def test_a_busy_polling_engine_offers_its_core_while_its_loads_are_in_flight(
     assert len(yields) >= 4  # one poll may have found the load failed
 
 
-@pytest.mark.parametrize("pair", ["tcp", "cma"], indirect=True)
-def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(pair: tuple) -> None:
+@pytest.mark.parametrize("plane", ["tcp", "cma"])
+def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(plane: str) -> None:
     """With a transfer agent the engine's thread spends no GIL hand-off on a load: every byte moves
     in the agent, and ``start_load`` and a tight ``poll()`` loop never release the GIL (a busy thread
-    of the engine would keep it for a switch interval, 5 ms, once given it). A thread that runs
-    only when the GIL is free (forced switches 60 s apart) gets no turn during 20 loads."""
-    p, pt, c, ct = pair
+    of the engine would keep it for a switch interval once given it). A thread that runs only when
+    the GIL is free (forced switches 60 s apart) gets no turn during 20 loads. The connector's short
+    switch interval while loads are in flight (gil_switch_interval_s) forces switches on purpose, so
+    it is off here: this counts the releases the engine's thread would make itself."""
+    p, pt = make(cfg("prefill", plane), fill=1)
+    c, ct = make(cfg("decode", plane, gil_switch_interval_s=0.0))
+    try:
+        _keeps_the_gil(p, pt, c, ct)
+    finally:
+        c.close()
+        p.close()
+
+
+def _keeps_the_gil(p: EngineConnector, pt: list[torch.Tensor], c: EngineConnector, ct: list[torch.Tensor]) -> None:
     assert isinstance(c, AgentConnector)
     first = p.hold("r0", [1], 16)
     c.start_load("r0", first, [2])  # the first load handshakes

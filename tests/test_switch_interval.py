@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from test_agent import cfg, make, wait_for
 
+from kvxfer.agent import switch_interval
 from kvxfer.agent.client import AgentConnector
 from kvxfer.agent.switch_interval import SwitchInterval
 from kvxfer.config import ConfigError, InstanceConfig, convert
@@ -21,6 +22,8 @@ def cpython_default() -> Iterator[float]:
     sys.setswitchinterval(0.005)
     yield 0.005
     sys.setswitchinterval(old)
+    assert switch_interval._holders == 0, "a test left a claim on the switch interval"
+    switch_interval._holders, switch_interval._saved, switch_interval._ours = 0, None, None
 
 
 def test_the_interval_is_short_while_any_connector_wants_it_and_comes_back_after_the_last() -> None:
@@ -60,6 +63,15 @@ def test_zero_never_touches_it_and_an_interval_already_shorter_is_not_raised() -
         SwitchInterval(-1.0)
 
 
+def test_a_closed_claim_is_given_up_for_good() -> None:
+    s = SwitchInterval(0.0005)
+    s.want(True)
+    s.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    s.want(True)  # a poll racing the close, or after it
+    assert sys.getswitchinterval() == pytest.approx(0.005) and not s.held
+
+
 def test_an_interval_out_of_range_is_refused_by_its_path() -> None:
     data = {"role": "decode", "engine_id": "d", "connector": {"gil_switch_interval_s": 1.0}}
     with pytest.raises(ConfigError, match=r"connector\.gil_switch_interval_s"):
@@ -85,4 +97,6 @@ def test_a_load_through_the_agent_shortens_the_interval_until_a_poll_reports_it(
     finally:
         c.close()  # with r2 perhaps still in flight: closing gives the interval back too
         p.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    c.poll()  # a poll after close, r2 perhaps still recorded: the interval stays the engine's
     assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -296,7 +296,7 @@ def test_vllm_asks_for_stats_every_step_and_the_agent_is_asked_at_most_once_an_i
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     now = [100.0]
-    monkeypatch.setattr(vllm_adapter.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(vllm_adapter, "_clock", lambda: now[0])
     worker = vllm_adapter.KvxferConnector(vllm_config(), KVConnectorRole.WORKER, SimpleNamespace(num_blocks=64))
     rec = _CountingConnector()
     worker.connector = rec  # type: ignore[assignment]
@@ -316,11 +316,14 @@ def test_kvxfer_records_reach_a_vllm_processs_stderr_with_time_level_and_origin(
     as bare text (Python's last-resort handler), which no one could tell from other lines."""
     code = ("import logging, vllm.logger; import kvxfer.integrations.vllm as a; a._log_to_stderr(); a._log_to_stderr();"
             " logging.getLogger('kvxfer.agent.client').info('not shown'); "
-            "logging.getLogger('kvxfer.agent.client').error('rank 0: agent gone')")
+            "logging.getLogger('kvxfer.agent.client').error('rank 0: agent gone'); "
+            "logging.basicConfig(format='ROOT %(message)s'); logging.getLogger('kvxfer.x').error('later')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k != "KVXFER_LOG_LEVEL"})
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if "agent gone" in ln or "not shown" in ln]
     assert len(lines) == 1, r.stderr[-2000:]  # once (one handler however often called), INFO not shown
+    assert [ln for ln in r.stderr.splitlines() if "later" in ln] == ["ROOT later"], \
+        "once the application configures logging, its handler prints kvxfer's records, once"
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+"
     assert re.match(rf"^{stamp} ERROR kvxfer\[\d+\] kvxfer\.agent\.client: rank 0: agent gone$", lines[0]), lines[0]

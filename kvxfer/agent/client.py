@@ -278,6 +278,12 @@ class AgentConnector:
                 return
             self._closed = True
             alive = self.process is not None and self._dead is None
+        try:
+            self._close(alive)
+        finally:
+            self._switch.close()  # whatever failed above: the engine's switch interval comes back
+
+    def _close(self, alive: bool) -> None:
         if alive:
             try:
                 self._call(Close())
@@ -289,7 +295,6 @@ class AgentConnector:
             if self._engine_loads is not None:
                 self._engine_loads.close()
                 self._engine_loads = None
-        self._switch.want(False)
         if self.cache is not None:
             unpin(self.cache)  # the host mirror's pinning (a device cache's), once the agent is gone
 
@@ -632,7 +637,7 @@ class AgentConnector:
                 out.extend(self._failed)
                 self._failed = Finished()
             waiting = not timeout_s and bool(self._loads)
-            self._switch.want(bool(self._loads))
+            self._switch.want(self._dead is None and bool(self._loads))
         if waiting and not out:
             # an engine that polls in a loop keeps its core busy while its loads need the agent's
             # threads to run: offer the core to them (a system call when nobody else wants it).

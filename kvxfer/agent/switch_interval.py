@@ -5,7 +5,7 @@ thread that reads the agent's event, woken in ``select`` with the GIL released (
 or taking turns with the engine's other busy Python threads (``poll()`` in a loop), waits for
 CPython to hand it the GIL. CPython asks a running thread to let the GIL go only after a waiting
 one has waited a whole switch interval (``sys.getswitchinterval()``, 5 ms by default): beside one
-spinning Python thread, a 3 ms load then takes 5-8 ms to reach the engine. While a connector has
+spinning Python thread, a 3 ms load reached ``poll`` 4-7 ms after the agent sent it. While a connector has
 loads in flight, kvxfer sets the interval to ``connector.gil_switch_interval_s`` (0.5 ms by
 default), and puts the engine's own value back when no connector of the process has any left.
 
@@ -34,19 +34,28 @@ _ours: float | None = None  # the interval kvxfer set, while it is set
 
 class SwitchInterval:
     """One connector's claim on a short switch interval: ``want(True)`` while it has loads in
-    flight, ``want(False)`` when it has none (idempotent; ``want(False)`` at close)."""
+    flight, ``want(False)`` when it has none (idempotent); ``close()`` gives it up for good (a
+    ``want(True)`` from a late ``poll`` then changes nothing). The first claim's interval serves
+    every connector of the process until the last one lets go."""
 
     def __init__(self, interval_s: float) -> None:
         if interval_s < 0:
             raise ValueError(f"gil_switch_interval_s: expected 0 (off) or a positive number, got {interval_s}")
         self.interval_s = interval_s
         self.held = False
+        self.closed = False
+
+    def close(self) -> None:
+        with _lock:
+            self.closed = True
+        self.want(False)
 
     def want(self, short: bool) -> None:
         global _holders, _saved, _ours
         if not self.interval_s:
             return
         with _lock:
+            short = short and not self.closed
             if short == self.held:
                 return
             self.held = short

@@ -352,25 +352,36 @@ class KvxferStats(KVConnectorStats):
 # 16 MiB load takes here (4-8 ms on cma): with 2 ms the wait ran out first and the load was handed
 # over a few steps later (median 4.7 ms after the agent's event, against 0.6 ms with 10 ms)
 IDLE_STEP_WAIT_S = 0.010
-# vLLM's stats interval is 10 s; its counters lag kvxfer's by at most this much
+# vLLM's stats interval is 10 s. Counts reach vLLM at the first engine step after each interval
+# (a server that goes idle reports its last ones at its next step); kvxfer's own metrics endpoint
+# (metrics_port) is always current
 STATS_INTERVAL_S = 1.0
+_clock = time.monotonic  # the stats interval's clock (a test's to replace)
 COUNTERS = ("loads_started", "loads_ok", "loads_failed", "load_timeouts", "bytes_received", "busy_s")
+
+
+class _UnlessRootHandles(logging.StreamHandler):
+    """stderr, only while the root logger has no handler (Python's last-resort rule): once the
+    application or a library configures logging, kvxfer's records go there instead, once."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 def _log_to_stderr() -> None:
     """vLLM configures only its own loggers, so kvxfer's records would reach its log through
     Python's last-resort handler: bare text, no time, level or origin (an operator, or a test
-    reading the log, could not tell a kvxfer error from any other line). Unless the process's root
-    logger has a handler already (the application's own), they go to stderr with time, level,
-    process and logger; at WARNING, or ``KVXFER_LOG_LEVEL``. Once per process."""
+    reading the log, could not tell a kvxfer error from any other line). While the process's root
+    logger has no handler, they go to stderr with time, level, process and logger, from WARNING, or
+    from ``KVXFER_LOG_LEVEL``. Once per process."""
     root = logging.getLogger("kvxfer")
-    if not root.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s kvxfer[%(process)d] %(name)s: %(message)s"))
-        root.addHandler(handler)
-        if root.level == logging.NOTSET:
-            root.setLevel(logging.WARNING)
     level = os.environ.get("KVXFER_LOG_LEVEL")
+    if not any(isinstance(h, _UnlessRootHandles) for h in root.handlers):
+        handler = _UnlessRootHandles()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s kvxfer[%(process)d] %(name)s: %(message)s"))
+        handler.setLevel(logging.WARNING if not level else logging.NOTSET)
+        root.addHandler(handler)
     if level:
         try:
             root.setLevel(level.upper())
@@ -606,7 +617,7 @@ class KvxferConnector(KVConnectorBase_V1):
         every worker would wait for (vLLM logs these at its own, longer interval)."""
         if self.connector is None:
             return None
-        t = time.monotonic()
+        t = _clock()
         if t < self._stats_due:
             return None
         self._stats_due = t + STATS_INTERVAL_S

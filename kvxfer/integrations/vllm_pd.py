@@ -185,11 +185,12 @@ class VllmServer:
         out = []
         for pid in pids:
             try:
-                dump = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30).stdout
+                r = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
             except (OSError, subprocess.SubprocessError) as e:
                 out.append(f"{self.log_path.name} pid {pid}: no dump ({e})")
                 continue
-            out.append(f"{self.log_path.name} pid {pid}:\n" + _innermost(dump, frames))
+            text = _innermost(r.stdout, frames) or f"no dump ({r.stderr.strip()[-300:]})"  # e.g. ptrace refused
+            out.append(f"{self.log_path.name} pid {pid}:\n{text}")
         return "\n".join(out)
 
     def tail(self, n: int = 40) -> str:
