@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -84,6 +85,21 @@ def released(p: EngineConnector, rids: list[str], timeout_s: float = 10.0) -> li
     return sorted(sent)
 
 
+@contextmanager
+def pair_of(pc: InstanceConfig, dc: InstanceConfig) -> Iterator[tuple[EngineConnector, list[torch.Tensor],
+                                                                      EngineConnector, list[torch.Tensor]]]:
+    """A producer (its cache filled) and a consumer with these configs, closed after."""
+    p, pt = make(pc, fill=1)
+    try:
+        c, ct = make(dc)
+        try:
+            yield p, pt, c, ct
+        finally:
+            c.close()
+    finally:
+        p.close()
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[EngineConnector, list[torch.Tensor],
                                                            EngineConnector, list[torch.Tensor]]]:
@@ -135,13 +151,8 @@ def test_save_layer_is_one_way_but_checks_its_arguments_and_pushes_bit_exact(sta
     are still refused by name here, and the layers sent after them land bit-exact. Staged (the
     engine's cache stands in for a device cache): each save copies its own layer to the host
     mirror, and the engine's own tensors arrive whole."""
-    p, pt = make(cfg("prefill", host_staging=staging), fill=1)
-    c, ct = make(cfg("decode", host_staging=staging))
-    try:
-        _save_layer_case(p, pt, c, ct)
-    finally:
-        c.close()
-        p.close()
+    with pair_of(cfg("prefill", host_staging=staging), cfg("decode", host_staging=staging)) as pair:
+        _save_layer_case(*pair)
 
 
 def _save_layer_case(p: EngineConnector, pt: list[torch.Tensor], c: EngineConnector, ct: list[torch.Tensor]) -> None:
@@ -505,13 +516,8 @@ def test_start_load_and_the_polls_that_see_it_finish_keep_the_gil(plane: str) ->
     the GIL is free (forced switches 60 s apart) gets no turn during 20 loads. The connector's short
     switch interval while loads are in flight (gil_switch_interval_s) forces switches on purpose, so
     it is off here: this counts the releases the engine's thread would make itself."""
-    p, pt = make(cfg("prefill", plane), fill=1)
-    c, ct = make(cfg("decode", plane, gil_switch_interval_s=0.0))
-    try:
-        _keeps_the_gil(p, pt, c, ct)
-    finally:
-        c.close()
-        p.close()
+    with pair_of(cfg("prefill", plane), cfg("decode", plane, gil_switch_interval_s=0.0)) as pair:
+        _keeps_the_gil(*pair)
 
 
 def _keeps_the_gil(p: EngineConnector, pt: list[torch.Tensor], c: EngineConnector, ct: list[torch.Tensor]) -> None:
