@@ -70,10 +70,9 @@ class SwitchInterval:
                 return
             _holders -= 1
             if _holders == 0:
-                if _ours is not None and _saved is not None:
-                    if sys.getswitchinterval() == _ours:
-                        sys.setswitchinterval(_saved)
-                    else:
-                        logger.debug("the engine set the switch interval to %g s meanwhile: left as it is",
-                                     sys.getswitchinterval())
+                if _ours is not None and _saved is not None and sys.getswitchinterval() == _ours:
+                    sys.setswitchinterval(_saved)
+                elif _ours is not None:
+                    logger.debug("the engine set the switch interval to %g s meanwhile: left as it is",
+                                 sys.getswitchinterval())
                 _saved = _ours = None
