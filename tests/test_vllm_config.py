@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -327,3 +328,23 @@ def test_kvxfer_records_reach_a_vllm_processs_stderr_with_time_level_and_origin(
         "once the application configures logging, its handler prints kvxfer's records, once"
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+"
     assert re.match(rf"^{stamp} ERROR kvxfer\[\d+\] kvxfer\.agent\.client: rank 0: agent gone$", lines[0]), lines[0]
+
+
+def test_a_servers_stacks_name_each_process_and_its_innermost_frames() -> None:
+    """What test_vllm_tp's no-answer failure prints: py-spy's dump of every process in the server's group."""
+    from kvxfer.integrations.vllm_pd import VllmServer
+
+    s = object.__new__(VllmServer)  # a stand-in server: one process of its own group, stuck in a known frame
+    s.proc = subprocess.Popen([sys.executable, "-c", "import time\ndef stuck():\n    time.sleep(60)\nstuck()"],
+                              start_new_session=True)
+    s.log_path = Path("/tmp/stand-in.log")
+    try:
+        deadline = time.monotonic() + 30
+        while "stuck (<string>:3)" not in (out := s.stacks(frames=1)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the interpreter has reached the frame
+        assert f"stand-in.log pid {s.proc.pid}:" in out and "stuck (<string>:3)" in out, out
+        assert "<module>" not in out, "only the innermost frame was asked for"
+    finally:
+        s.proc.kill()
+        s.proc.wait(timeout=10)
+    assert s.stacks() == "", "a server that is gone has no stacks"
