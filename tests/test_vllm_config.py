@@ -331,19 +331,28 @@ def test_kvxfer_records_reach_a_vllm_processs_stderr_with_time_level_and_origin(
 
 
 def test_a_servers_stacks_name_each_process_and_its_innermost_frames() -> None:
-    """What test_vllm_tp's no-answer failure prints: py-spy's dump of every process in the server's group."""
+    """What test_vllm_tp's no-answer failure prints: py-spy's dump of every process in the server's group,
+    a line per thread, identical threads once."""
     from kvxfer.integrations.vllm_pd import VllmServer
 
-    s = object.__new__(VllmServer)  # a stand-in server: one process of its own group, stuck in a known frame
-    s.proc = subprocess.Popen([sys.executable, "-c", "import time\ndef stuck():\n    time.sleep(60)\nstuck()"],
-                              start_new_session=True)
+    s = object.__new__(VllmServer)  # a stand-in server: one process of its own group, stuck in known frames
+    code = ("import threading, time\ndef stuck():\n    time.sleep(60)\n"
+            "for i in range(2):\n    threading.Thread(target=stuck, name=f't{i}').start()\nstuck()\n")
+    s.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     s.log_path = Path("/tmp/stand-in.log")
     try:
         deadline = time.monotonic() + 30
-        while "stuck (<string>:3)" not in (out := s.stacks(frames=1)) and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the interpreter has reached the frame
-        assert f"stand-in.log pid {s.proc.pid}:" in out and "stuck (<string>:3)" in out, out
-        assert "<module>" not in out, "only the innermost frame was asked for"
+        while "'t0' (+1 alike)" not in (out := s.stacks()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the interpreter has reached the frames
+        head, *threads = out.splitlines()
+        title = f"{sys.executable} -c import threading, time def stuck():"  # the command line, on one line
+        assert head.startswith(f"stand-in.log pid {s.proc.pid} {title}"), out
+        assert len(threads) == 2, f"the main thread, and the two alike threads on one line: {out}"
+        assert any(t.startswith("  't0' (+1 alike) idle: ") and "stuck (<string>:3) < Thread.run" in t
+                   for t in threads), out
+        assert any(t.startswith("  'MainThread' idle: ") and "stuck (<string>:3) < <module> (<string>:6)" in t
+                   for t in threads), out
+        assert all(t.count(" < ") == 1 for t in s.stacks(frames=2).splitlines()[1:]), "two frames a thread"
     finally:
         s.proc.kill()
         s.proc.wait(timeout=10)

@@ -111,9 +111,10 @@ def test_prompts_load_across_parallel_layouts(servers: Servers, p: str, d: str) 
         ref = token_ids(local(ds.vllm.url, prompt, MAX_TOKENS))
         try:
             got = token_ids(disaggregated(ps.vllm.url, ds.vllm.url, prompt, MAX_TOKENS))
-        except TimeoutError as e:  # in some CI runs (sessions 6, 17, 25): where both servers stood, and their stacks
-            raise AssertionError(f"{len(prompt)}-token prompt, {p} -> {d}: no answer ({e})\n{problems(ps, ds)}\n"
-                                 f"{ds.vllm.stacks()}\n{ps.vllm.stacks()}") from e
+        except TimeoutError as e:  # in some CI runs (sessions 6, 17, 25, 26): where both servers stood, and their
+            # stacks, without the traceback (a CI log keeps only so much of a failure; sessions 26's lost the workers)
+            pytest.fail(f"{len(prompt)}-token prompt, {p} -> {d}: no answer ({e})\n{problems(ps, ds)}\n"
+                        f"{ds.vllm.stacks()}\n{ps.vllm.stacks()}", pytrace=False)
         assert got == ref, f"{len(prompt)}-token prompt, {p} -> {d}: decode differs from local\n{problems(ps, ds)}"
     after = ds.kvxfer()
 

@@ -170,10 +170,12 @@ class VllmServer:
                 or _STALLED in ln][-n:]
         return "\n".join(f"{self.log_path.name}: {ln}" for ln in hits)
 
-    def stacks(self, frames: int = 12) -> str:
-        """Where each of the server's processes is now (its threads' innermost ``frames`` Python frames,
-        by ``py-spy dump``, where py-spy is installed): for a request that got no answer. Empty if
-        py-spy is missing or the server is gone."""
+    def stacks(self, frames: int = 8) -> str:
+        """Where each of the server's processes is now, compactly (a CI log keeps only so much of a
+        failure message): one line per thread, its innermost ``frames`` frames, native ones included
+        (a wait inside a C library shows as that wait), identical threads counted once; workers first,
+        the engine core, agents, then the rest. By ``py-spy dump``, where py-spy is installed; empty
+        if it is missing or the server is gone."""
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(spy).exists() or self.proc.poll() is not None:
             return ""
@@ -182,16 +184,14 @@ class VllmServer:
                                   timeout=10).stdout.split()
         except (OSError, subprocess.SubprocessError):
             return ""
-        out = []
+        dumps = []
         for pid in pids:
-            try:
-                r = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
-            except (OSError, subprocess.SubprocessError) as e:
-                out.append(f"{self.log_path.name} pid {pid}: no dump ({e})")
+            title = _title(pid)
+            if "resource_tracker" in title:
                 continue
-            text = _innermost(r.stdout, frames) or f"no dump ({r.stderr.strip()[-300:]})"  # e.g. ptrace refused
-            out.append(f"{self.log_path.name} pid {pid}:\n{text}")
-        return "\n".join(out)
+            dumps.append((_process_rank(title), f"{self.log_path.name} pid {pid} {title[:100]}:\n"
+                          f"{_dump(spy, pid, frames)}"))
+        return "\n".join(text for _, text in sorted(dumps, key=lambda d: d[0]))
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -226,18 +226,53 @@ class VllmServer:
         return int(self.proc.returncode)
 
 
-def _innermost(dump: str, frames: int) -> str:
-    """A ``py-spy dump``'s process line and, per thread, its first ``frames`` frames (innermost first)."""
-    out: list[str] = []
-    left = 0
-    for line in dump.splitlines():
-        if line.startswith("Process ") or line.startswith("Thread "):
-            out.append(line)
-            left = frames
-        elif line.startswith(" ") and left > 0:
-            out.append(line)
-            left -= 1
-    return "\n".join(out)
+def _title(pid: str) -> str:
+    """A process's command line (vLLM renames its processes: ``VLLM::Worker_TP0``); '' if it is gone."""
+    try:
+        return " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+    except OSError:
+        return ""
+
+
+def _process_rank(title: str) -> int:
+    """Where a process goes in ``stacks``: the worker that hangs a step is what a reader looks for."""
+    for i, key in enumerate(("Worker", "EngineCore", "kvxfer.agent")):
+        if key in title:
+            return i
+    return 3
+
+
+def _dump(spy: str, pid: str, frames: int) -> str:
+    """One process's threads by ``py-spy dump --json`` (with native frames where py-spy can unwind them)."""
+    err = ""
+    for native in (["--native"], []):
+        try:
+            r = subprocess.run([spy, "dump", "--json", *native, "--pid", pid], capture_output=True, text=True,
+                               timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"  no dump ({e})"
+        if r.returncode == 0:
+            try:
+                return _innermost(json.loads(r.stdout), frames)
+            except (ValueError, KeyError, TypeError) as e:
+                err = f"unreadable dump: {e}"
+                continue
+        err = r.stderr.strip().splitlines()[0][-300:] if r.stderr.strip() else f"exit {r.returncode}"
+    return f"  no dump ({err})"  # e.g. ptrace refused
+
+
+def _innermost(threads: list[dict[str, Any]], frames: int) -> str:
+    """``py-spy dump --json``'s threads, a line each: state, name, innermost ``frames`` frames
+    (innermost first, ``<``-joined); threads with the same state and frames counted on one line."""
+    lines: dict[str, list[str]] = {}
+    for t in threads:
+        shown = [f for f in t["frames"] if not str(f["name"]).startswith("0x")][:frames]
+        stack = " < ".join(f"{f['name']} ({f['short_filename']}:{f['line']})" if f["line"] else str(f["name"])
+                           for f in shown)
+        state = ("active" if t.get("active") else "idle") + ("+gil" if t.get("owns_gil") else "")
+        lines.setdefault(f"{state}: {stack}", []).append(str(t.get("thread_name") or t.get("os_thread_id")))
+    return "\n".join(f"  {min(names)!r}{f' (+{len(names) - 1} alike)' if len(names) > 1 else ''} {key}"
+                     for key, names in lines.items())
 
 
 def prometheus_samples(url: str) -> dict[str, float]:
