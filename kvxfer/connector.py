@@ -203,6 +203,7 @@ class Connector:
                                      metrics=self.metrics, hold_wait_s=t.hold_wait_s,
                                      reservation_s=t.reservation_s,
                                      inline_load_bytes=self.config.connector.inline_load_bytes)
+            self.holds.on_release = self.consumer.wake_waiters
         if self.config.role in ("prefill", "both"):
             self.pusher = Pusher(self.config.engine_id, self.rank, self.layout, self.holds,
                                  SideChannelClient(t.handshake_s, t.handshake_retries), self.secret)
@@ -219,12 +220,14 @@ class Connector:
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """Holds released, loads finished, loads failed (with their invalid block ids).
 
-        Non-blocking by default; with ``timeout_s`` a decode rank waits up to that long for a
-        load to finish (the wait releases the GIL, so the transfer threads run meanwhile).
+        Non-blocking by default; with ``timeout_s`` it waits up to that long for a load to finish
+        or a hold to end (the wait releases the GIL, so the transfer threads run meanwhile).
         """
         out = Finished()
         if self.consumer is not None:
-            out.extend(self.consumer.poll(timeout_s))
+            out.extend(self.consumer.poll(timeout_s))  # a hold that ends wakes it too (holds.on_release)
+        elif self.holds is not None and timeout_s > 0:
+            self.holds.wait_released(timeout_s)
         if self.holds is not None:
             self.holds.expire()
             out.sending.extend(self.holds.take_released())

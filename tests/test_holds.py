@@ -7,6 +7,7 @@ hold exists. The hold must then be freed the moment it is made, not a lease late
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -129,3 +130,35 @@ def test_a_saved_hold_attached_to_a_target_that_reads_nothing_is_released_at_onc
     reg.hold("r1", [5, 6], 20)  # a pull hold: every layer counts as saved
     assert reg.attach("r1", target, params) is False
     assert reg.take_released() == ["r1"] and reg.released_by["done"] == 1
+
+
+def test_a_wait_for_a_release_returns_at_the_release_and_take_released_rearms_it() -> None:
+    """What an engine's poll(timeout_s) waits on when it only holds blocks (vLLM steps on while they wait)."""
+    h = registry(Clock())
+    woken: list[int] = []
+    h.on_release = lambda: woken.append(1)
+    h.hold("r1", [1, 2], 20)
+    assert h.wait_released(0.0) is False and woken == []  # nothing ended
+    threading.Timer(0.05, h.release, args=("r1",)).start()
+    t0 = time.monotonic()
+    assert h.wait_released(60.0) is True and time.monotonic() - t0 < 30, "woken by the release, not the timeout"
+    assert woken == [1] and h.wait_released(0.0) is True, "set until taken"
+    assert h.take_released() == ["r1"] and h.wait_released(0.0) is False
+
+
+def test_a_poll_with_a_timeout_returns_when_a_hold_ends() -> None:
+    """An in-process connector: a producer-only rank's poll waits on its holds; a rank that loads too
+    is woken by a hold that ends as by a load that lands."""
+    for role in ("prefill", "both"):
+        c = Connector.in_process(make_cfg(role, f"E-{role}"), 0)
+        try:
+            spec = spec_from_config(c.config, 0)
+            c.register_kv_caches(allocate_kv_cache(spec, c.config.cache.num_blocks))
+            c.hold("r1", [1, 2], 20)
+            assert c.poll(0.0).sending == []
+            threading.Timer(0.05, c.release, args=("r1",)).start()
+            t0 = time.monotonic()
+            out = c.poll(60.0)
+            assert out.sending == ["r1"] and time.monotonic() - t0 < 30, f"{role}: woken by the release"
+        finally:
+            c.close()

@@ -233,25 +233,30 @@ def test_an_fp8_cache_is_moved_as_its_float8_bytes() -> None:
 
 class _RecordingConnector:
     """The adapter's collaborator (a kvxfer Connector): records how long each poll may wait and
-    reports the loads the test finishes."""
+    reports the loads and holds the test finishes."""
 
     def __init__(self) -> None:
         self.waits: list[float] = []
         self.finished: list[str] = []
+        self.released: list[str] = []
 
     def start_load(self, request_id: str, params: Any, block_ids: Any, num_cached_tokens: int = 0) -> None:
         pass
 
+    def hold(self, request_id: str, block_ids: Any, num_tokens: int) -> None:
+        pass
+
     def poll(self, timeout_s: float = 0.0) -> Finished:
         self.waits.append(timeout_s)
-        out, self.finished = Finished(receiving=self.finished), []
+        out, self.finished, self.released = Finished(receiving=self.finished, sending=self.released), [], []
         return out
 
 
-def test_an_empty_engine_step_waits_for_loads_in_flight_and_a_step_with_work_never_does() -> None:
-    """vLLM steps without pause while a request waits for its KV; those empty steps took the CPU
-    the transfer agent needed. A step that computes nothing, with a load in flight, waits in poll
-    (returning at the load's event); a step with work, or with no load, does not wait."""
+def test_an_empty_engine_step_waits_for_loads_and_holds_in_flight_and_a_step_with_work_never_does() -> None:
+    """vLLM steps without pause while a request waits for its KV, or its blocks for their readers;
+    those empty steps took the CPU the transfer agent (and a decode server beside) needed. A step
+    that computes nothing, with a load or a hold in flight, waits in poll (returning at its event);
+    a step with work, or with nothing in flight, does not wait."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     sched = vllm_adapter.KvxferConnector(vllm_config(), KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=64))
@@ -262,9 +267,11 @@ def test_an_empty_engine_step_waits_for_loads_in_flight_and_a_step_with_work_nev
     params = KVTransferParams(request_id="r1", engine_id="P", num_tokens=32, block_ids=[5, 6], block_size=16,
                               layout=sched.layout, ranks=[rank], lease_s=10.0)
 
-    def step(tokens: int, load: bool = False) -> float:
+    def step(tokens: int, load: bool = False, hold: bool = False) -> float:
         if load:
             sched._pending.loads.append(vllm_adapter.LoadOrder("r1", params.to_bytes(), [1, 2], 0))
+        if hold:
+            sched._pending.holds.append(vllm_adapter.HoldOrder("h1", [3, 4], 20))
         meta = sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens))  # type: ignore[arg-type]
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -279,6 +286,13 @@ def test_an_empty_engine_step_waits_for_loads_in_flight_and_a_step_with_work_nev
     rec.finished = ["r1"]
     assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S  # this poll reports the load finished
     assert step(0) == 0.0  # nothing in flight any more
+    # the prefill side: vLLM steps on while a finished request's blocks wait for their readers
+    assert step(0, hold=True) == vllm_adapter.IDLE_STEP_WAIT_S  # the hold is made: wait for it to end
+    assert step(3) == 0.0
+    assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S
+    rec.released = ["h1"]
+    assert step(0) == vllm_adapter.IDLE_STEP_WAIT_S  # this poll reports the hold released
+    assert step(0) == 0.0
 
 
 class _CountingConnector:

@@ -423,6 +423,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._failed_now: set[str] = set()  # loads refused at start: reported at the next poll
         self._released_now: set[str] = set()  # holds that could not be made: blocks go back at once
         self._loading: set[str] = set()  # loads started and not yet reported finished or failed
+        self._holding: set[str] = set()  # holds made and not yet reported released
         self._last: dict[str, float] = {}
         self._stats_due = 0.0  # monotonic time of the next get_kv_connector_stats that asks the agent
         _log_to_stderr()
@@ -544,6 +545,7 @@ class KvxferConnector(KVConnectorBase_V1):
         for h in meta.holds:
             try:
                 c.hold(h.request_id, h.block_ids, h.num_tokens)
+                self._holding.add(h.request_id)
             except ValueError as e:
                 logger.error("request %s: blocks not held for the decode side: %s", h.request_id, e)
                 self._released_now.add(h.request_id)
@@ -583,6 +585,7 @@ class KvxferConnector(KVConnectorBase_V1):
         f = self.connector.poll(timeout_s=self._poll_wait())
         self._loading.difference_update(f.receiving)
         self._loading.difference_update(f.failed)
+        self._holding.difference_update(f.sending)
         failed = set(f.failed) | self._failed_now
         for ids in f.failed.values():
             self._invalid.update(ids)
@@ -593,12 +596,15 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def _poll_wait(self) -> float:
         """How long this step's poll may wait for the agent's next event: IDLE_STEP_WAIT_S when the
-        step computes nothing and loads are in flight, else 0. vLLM's engine steps without pause
-        while a request waits for its KV, and those empty steps kept from the transfer agent the
-        core it shares with this worker (agent_cpus: engine) or its engine's CPU share (any); a
-        blocking wait gives that CPU back and returns the moment a load finishes. A step with work
-        never waits."""
-        if not self._loading or not self.has_connector_metadata():
+        step computes nothing and loads or holds are in flight, else 0. vLLM's engine steps without
+        pause while a request waits for its KV (decode) or for its readers to finish (prefill: its
+        blocks stay allocated until the hold is released), thousands of empty steps a second. Those
+        kept from the transfer agent the core it shares with this worker (agent_cpus: engine) or its
+        engine's CPU share (any), and a prefill server spinning so beside a decode server on the same
+        cores kept the decode's workers from starting the very load it waited for, until the hold
+        expired (test_vllm_tp, CI). A blocking wait gives that CPU back and returns the moment a load
+        finishes or a hold is released. A step with work never waits."""
+        if not (self._loading or self._holding) or not self.has_connector_metadata():
             return 0.0
         meta = self._get_connector_metadata()
         return IDLE_STEP_WAIT_S if isinstance(meta, KvxferMetadata) and meta.idle else 0.0

@@ -89,6 +89,7 @@ class HoldRegistry:
         self.clock = clock
         self._holds: dict[str, Hold] = {}
         self._released: list[str] = []
+        self._any_released = threading.Event()  # set while _released is not empty: a waiting poll returns
         self._early_abandons: OrderedDict[str, float] = OrderedDict()  # request id -> forget after (clock)
         self._lock = threading.Lock()
         self.refused_reads = 0
@@ -96,6 +97,8 @@ class HoldRegistry:
         # told, under the lock, of every pull hold made (its block ids) and every hold ended (None):
         # a one-sided data plane publishes them (kvxfer.transfer.hold_board)
         self.on_change: Callable[[str, np.ndarray | None], None] | None = None
+        # told, under the lock, that a hold ended: wakes a poll that waits on the consumer's side too
+        self.on_release: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -229,6 +232,12 @@ class HoldRegistry:
             return False
         self._changed(request_id, None)  # before the engine can learn of it (take_released) and free the blocks
         self._released.append(request_id)
+        self._any_released.set()
+        if self.on_release is not None:
+            try:
+                self.on_release()
+            except Exception as e:
+                report("hold registry: on_release", e, f"request {request_id}")
         self.released_by[reason] += 1
         logger.debug("request %s: hold released (%s: %s)", request_id, reason, why)
         return True
@@ -283,7 +292,12 @@ class HoldRegistry:
     def take_released(self) -> list[str]:
         with self._lock:
             out, self._released = self._released, []
+            self._any_released.clear()
         return out
+
+    def wait_released(self, timeout_s: float) -> bool:
+        """Wait (GIL released) until a hold has ended that ``take_released`` has not taken, or the timeout."""
+        return self._any_released.wait(timeout_s)
 
     def validate(self, request_id: str, d: Descriptors) -> Refusal | None:
         """Serve a read only inside registered regions and inside blocks held for the request.
