@@ -600,10 +600,11 @@ class KvxferConnector(KVConnectorBase_V1):
         pause while a request waits for its KV (decode) or for its readers to finish (prefill: its
         blocks stay allocated until the hold is released), thousands of empty steps a second. Those
         kept from the transfer agent the core it shares with this worker (agent_cpus: engine) or its
-        engine's CPU share (any), and a prefill server spinning so beside a decode server on the same
-        cores kept the decode's workers from starting the very load it waited for, until the hold
-        expired (test_vllm_tp, CI). A blocking wait gives that CPU back and returns the moment a load
-        finishes or a hold is released. A step with work never waits."""
+        engine's CPU share (any); a holding prefill worker took 96% of its core (9.6 CPU s in 10 s;
+        2.0 with the wait), and in test_vllm_tp's CI failures a decode server whose workers shared
+        that core started its load only once the prefill's hold had expired. A blocking wait gives
+        the CPU back and returns the moment a load finishes or a hold is released. A step with work
+        never waits."""
         if not (self._loading or self._holding) or not self.has_connector_metadata():
             return 0.0
         meta = self._get_connector_metadata()
