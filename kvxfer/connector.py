@@ -50,6 +50,7 @@ from kvxfer.protocol import (
     RemoteRank,
     compat_hash,
 )
+from kvxfer.switch_interval import SwitchInterval
 from kvxfer.topology import ParallelLayout, check_compatible
 from kvxfer.transfer.aggregator import Finished, FinishedAggregator
 from kvxfer.transfer.consumer import Consumer
@@ -144,6 +145,9 @@ class Connector:
         self.auth = Authenticator(self.secret)
         self.metrics = ConnectorMetrics(config.engine_id, rank, data_plane.name, clock)
         self.metrics.producer = self._side_stats
+        # off here: an engine's connector (from_config) takes connector.gil_switch_interval_s; a
+        # transfer agent's, whose only Python is kvxfer's, keeps the interpreter's interval
+        self._switch = SwitchInterval(0.0)
 
     @classmethod
     def from_config(cls, config: InstanceConfig, rank: int = 0) -> EngineConnector:
@@ -158,7 +162,11 @@ class Connector:
             from kvxfer.agent.client import AgentConnector
 
             return AgentConnector(config, rank)
-        return cls.in_process(config, rank)
+        c = cls.in_process(config, rank)
+        # in the engine's process its transfer threads need the engine's GIL for every read
+        # (kvxfer.switch_interval): the short interval while loads are in flight
+        c._switch = SwitchInterval(config.connector.gil_switch_interval_s)
+        return c
 
     @classmethod
     def in_process(cls, config: InstanceConfig, rank: int = 0) -> Connector:
@@ -226,6 +234,7 @@ class Connector:
         out = Finished()
         if self.consumer is not None:
             out.extend(self.consumer.poll(timeout_s))  # a hold that ends wakes it too (holds.on_release)
+            self._switch.want(self.consumer.loading)
         elif self.holds is not None and timeout_s > 0:
             self.holds.wait_released(timeout_s)
         if self.holds is not None:
@@ -256,16 +265,19 @@ class Connector:
                 **{f"holds_{reason}": n for reason, n in holds.released_by.items()}}
 
     def close(self) -> None:
-        if self.consumer is not None:
-            self.consumer.close()
-        if self.pusher is not None:
-            self.pusher.close()
-        if self.server is not None:
-            self.server.close()
-        self.client.close()
-        self.plane.close()
-        if self.cache is not None:
-            unpin(self.cache)  # the host mirror's pinning (a device cache's), once nothing reads it
+        try:
+            if self.consumer is not None:
+                self.consumer.close()
+            if self.pusher is not None:
+                self.pusher.close()
+            if self.server is not None:
+                self.server.close()
+            self.client.close()
+            self.plane.close()
+            if self.cache is not None:
+                unpin(self.cache)  # the host mirror's pinning (a device cache's), once nothing reads it
+        finally:
+            self._switch.close()  # whatever failed above: the engine's switch interval comes back
 
     # ------------------------------------------------------------------ producer
     def hold(self, request_id: str, block_ids: Sequence[int] | np.ndarray, num_tokens: int,
@@ -408,6 +420,7 @@ class Connector:
                    num_cached_tokens: int = 0) -> None:
         """Begin pulling the request's blocks; ``poll`` reports it finished or failed."""
         self._consumer().start_load(request_id, params, local_block_ids, num_cached_tokens)
+        self._switch.want(True)
 
     def start_loads(self, loads: Sequence[tuple[str, KVTransferParams, Sequence[int] | np.ndarray, int]]
                     ) -> list[Exception | None]:
@@ -426,6 +439,7 @@ class Connector:
         if self.server is None:
             raise RuntimeError("reserve: register_kv_caches first")
         consumer.reserve(request_id, local_block_ids, num_tokens, num_cached_tokens)
+        self._switch.want(True)
         sc = self.config.connector.side_channel
         return PushTarget(request_id=request_id, engine_id=self.config.engine_id, num_tokens=num_tokens,
                           num_cached_tokens=num_cached_tokens, layout=self.layout,

@@ -1,5 +1,5 @@
 """The interpreter's switch interval is short while a rank's loads are in flight, and the engine's
-own value comes back after (kvxfer/agent/switch_interval.py)."""
+own value comes back after (kvxfer/switch_interval.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import msgspec
 import pytest
 from test_agent import cfg, make, wait_for
 
-from kvxfer.agent import switch_interval
+from kvxfer import switch_interval
 from kvxfer.agent.client import AgentConnector
-from kvxfer.agent.switch_interval import SwitchInterval
+from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import ConfigError, InstanceConfig, convert
+from kvxfer.connector import Connector
+from kvxfer.switch_interval import SwitchInterval
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +102,35 @@ def test_a_load_through_the_agent_shortens_the_interval_until_a_poll_reports_it(
     assert sys.getswitchinterval() == pytest.approx(0.005)
     c.poll()  # a poll after close, r2 perhaps still recorded: the interval stays the engine's
     assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("interval", [0.0005, 0.0])
+def test_a_load_in_the_engines_process_shortens_the_interval_but_a_transfer_agents_connector_never_does(
+        interval: float) -> None:
+    """data_path: engine, the transfer threads in the engine's process: the same claim as through an
+    agent. A transfer agent builds its connector with Connector.in_process: the interval stays."""
+    p, _ = make(cfg("prefill", data_path="engine"), fill=1)
+    c, _ = make(cfg("decode", data_path="engine", gil_switch_interval_s=interval))
+    try:
+        assert isinstance(c, Connector) and not isinstance(c, AgentConnector)
+        c.start_load("r1", p.hold("r1", [1, 2, 3], 40), [7, 8, 9])
+        assert sys.getswitchinterval() == pytest.approx(interval or 0.005)  # until a poll reports it
+        assert wait_for(c, "r1").receiving == ["r1"]
+        assert sys.getswitchinterval() == pytest.approx(0.005), "no load in flight: the engine's own value"
+        c.start_load("r2", p.hold("r2", [4], 16), [10])
+    finally:
+        c.close()
+        p.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005), "closed with r2 perhaps in flight: given back"
+    agent_side = Connector.in_process(cfg("decode", data_path="engine"), 0)  # what a transfer agent runs
+    try:
+        agent_side.register_kv_caches(allocate_kv_cache(spec_from_config(agent_side.config), 64))
+        p, _ = make(cfg("prefill", data_path="engine"), fill=2)
+        try:
+            agent_side.start_load("r3", p.hold("r3", [1], 16), [5])
+            assert sys.getswitchinterval() == pytest.approx(0.005), "an agent's own threads keep the interval"
+            assert wait_for(agent_side, "r3").receiving == ["r3"]
+        finally:
+            p.close()
+    finally:
+        agent_side.close()

@@ -59,7 +59,6 @@ from kvxfer.agent.messages import (
     Wait,
 )
 from kvxfer.agent.shared import share_tensors
-from kvxfer.agent.switch_interval import SwitchInterval
 from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
@@ -68,6 +67,7 @@ from kvxfer.dataplane import load_data_plane
 from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
 from kvxfer.supervise import report
+from kvxfer.switch_interval import SwitchInterval
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading

@@ -247,6 +247,12 @@ class Consumer(FastPath, PushReceiver, ProducerNotices):
         self._ready.set()
 
     @property
+    def loading(self) -> bool:
+        """Whether any load (or push reservation) is in flight: started, not yet finished or failed."""
+        with self._lock:
+            return bool(self._loads)
+
+    @property
     def broken(self) -> str | None:
         """Why this rank cannot load any more (every load fails at once), or None."""
         with self._lock:
