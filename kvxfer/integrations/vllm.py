@@ -348,9 +348,11 @@ class KvxferStats(KVConnectorStats):
 
 
 # at most this long an empty engine step (nothing scheduled) waits in poll for a load in flight to
-# finish: a new request that arrives meanwhile is scheduled this much later at worst. Longer than a
-# 16 MiB load takes here (4-8 ms on cma): with 2 ms the wait ran out first and the load was handed
-# over a few steps later (median 4.7 ms after the agent's event, against 0.6 ms with 10 ms)
+# finish, or a hold to end: a new request that arrives meanwhile is scheduled this much later at
+# worst. Longer than a 16 MiB load takes here (4-8 ms on cma): with 2 ms the wait ran out first and
+# the load was handed over a few steps later (median 4.7 ms after the agent's event, against 0.6 ms
+# with 10 ms). A holding prefill worker spent 2.0 CPU s in 10 with it, 4.2 with 2 ms, 9.6 without
+# (an empty vLLM step costs its worker about 1.5 ms of CPU)
 IDLE_STEP_WAIT_S = 0.010
 # vLLM's stats interval is 10 s. Counts reach vLLM at the first engine step after each interval
 # (a server that goes idle reports its last ones at its next step); kvxfer's own metrics endpoint
