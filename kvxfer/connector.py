@@ -163,8 +163,8 @@ class Connector:
 
             return AgentConnector(config, rank)
         c = cls.in_process(config, rank)
-        # in the engine's process its transfer threads need the engine's GIL for every read
-        # (kvxfer.switch_interval): the short interval while loads are in flight
+        # in the engine's process its transfer threads need the engine's GIL for every read, served
+        # or made (kvxfer.switch_interval): the short interval while loads or holds are in flight
         c._switch = SwitchInterval(config.connector.gil_switch_interval_s)
         return c
 
@@ -234,12 +234,13 @@ class Connector:
         out = Finished()
         if self.consumer is not None:
             out.extend(self.consumer.poll(timeout_s))  # a hold that ends wakes it too (holds.on_release)
-            self._switch.want(self.consumer.loading)
         elif self.holds is not None and timeout_s > 0:
             self.holds.wait_released(timeout_s)
         if self.holds is not None:
             self.holds.expire()
             out.sending.extend(self.holds.take_released())
+        self._switch.want((self.consumer is not None and self.consumer.loading)
+                          or (self.holds is not None and len(self.holds) > 0))
         return out
 
     def stats(self) -> dict[str, float]:
@@ -295,6 +296,7 @@ class Connector:
         if self.device_cache is not None and not streaming:  # on the host before anyone reads them
             copy_blocks(self.device_cache, self.cache, ids[:need])
         self.holds.hold(request_id, ids[:need], num_tokens, streaming=streaming)
+        self._switch.want(True)  # this process's threads serve its reads: until a poll finds no hold left
         return self._params(request_id, ids[:need], num_tokens)
 
     def _params(self, request_id: str, block_ids: np.ndarray, num_tokens: int) -> KVTransferParams:

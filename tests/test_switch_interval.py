@@ -4,6 +4,7 @@ own value comes back after (kvxfer/switch_interval.py)."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -109,7 +110,7 @@ def test_a_load_in_the_engines_process_shortens_the_interval_but_a_transfer_agen
         interval: float) -> None:
     """data_path: engine, the transfer threads in the engine's process: the same claim as through an
     agent. A transfer agent builds its connector with Connector.in_process: the interval stays."""
-    p, _ = make(cfg("prefill", data_path="engine"), fill=1)
+    p, _ = make(cfg("prefill", data_path="engine", gil_switch_interval_s=0.0), fill=1)  # the consumer's claim alone
     c, _ = make(cfg("decode", data_path="engine", gil_switch_interval_s=interval))
     try:
         assert isinstance(c, Connector) and not isinstance(c, AgentConnector)
@@ -125,7 +126,7 @@ def test_a_load_in_the_engines_process_shortens_the_interval_but_a_transfer_agen
     agent_side = Connector.in_process(cfg("decode", data_path="engine"), 0)  # what a transfer agent runs
     try:
         agent_side.register_kv_caches(allocate_kv_cache(spec_from_config(agent_side.config), 64))
-        p, _ = make(cfg("prefill", data_path="engine"), fill=2)
+        p, _ = make(cfg("prefill", data_path="engine", gil_switch_interval_s=0.0), fill=2)
         try:
             agent_side.start_load("r3", p.hold("r3", [1], 16), [5])
             assert sys.getswitchinterval() == pytest.approx(0.005), "an agent's own threads keep the interval"
@@ -134,3 +135,22 @@ def test_a_load_in_the_engines_process_shortens_the_interval_but_a_transfer_agen
             p.close()
     finally:
         agent_side.close()
+
+
+def test_a_hold_in_the_engines_process_shortens_the_interval_until_a_poll_finds_none_left() -> None:
+    """data_path: engine on the prefill side: the engine's process serves the reads, so a hold claims it."""
+    p, _ = make(cfg("prefill", data_path="engine"), fill=1)
+    c, _ = make(cfg("decode", data_path="engine", gil_switch_interval_s=0.0))
+    try:
+        params = p.hold("r1", [1, 2, 3], 40)
+        assert sys.getswitchinterval() == pytest.approx(0.0005), "held: the reads it serves need the GIL"
+        c.start_load("r1", params, [7, 8, 9])
+        assert wait_for(c, "r1").receiving == ["r1"]
+        sent: list[str] = []
+        deadline = time.monotonic() + 30
+        while not sent and time.monotonic() < deadline:
+            sent = p.poll(0.05).sending
+        assert sent == ["r1"] and sys.getswitchinterval() == pytest.approx(0.005), "released: given back"
+    finally:
+        c.close()
+        p.close()
