@@ -24,11 +24,11 @@ from kvxfer.integrations.vllm_pd import VllmServer, free_port, prefill
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cpu_by_process(pgid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each process of the group, by its command's name."""
+def cpu_by_process(server: VllmServer) -> dict[str, float]:
+    """CPU seconds (user + system) of each process of the server, by its command's name."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
-    for pid in subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split():
+    for pid in server.pids():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -40,10 +40,10 @@ def cpu_by_process(pgid: int) -> dict[str, float]:
     return out
 
 
-def window(pgid: int, seconds: float) -> dict[str, float]:
-    before = cpu_by_process(pgid)
+def window(server: VllmServer, seconds: float) -> dict[str, float]:
+    before = cpu_by_process(server)
     time.sleep(seconds)
-    after = cpu_by_process(pgid)
+    after = cpu_by_process(server)
     return {k: round(after[k] - before.get(k, 0.0), 2) for k in sorted(after)}
 
 
@@ -63,10 +63,10 @@ def main() -> int:
             print("starting the vLLM server ...", file=sys.stderr)
             server.wait_ready()
             time.sleep(3)
-            idle = window(server.proc.pid, args.window_s)
+            idle = window(server, args.window_s)
             prefill(server.url, list(range(1, 301)))  # held for a decode side that never reads it
             time.sleep(1)
-            holding = window(server.proc.pid, args.window_s)
+            holding = window(server, args.window_s)
         finally:
             server.stop()
     print(f"CPU seconds per {args.window_s:g} s")

@@ -179,19 +179,22 @@ class VllmServer:
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if not Path(spy).exists() or self.proc.poll() is not None:
             return ""
-        try:
-            pids = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True,
-                                  timeout=10).stdout.split()
-        except (OSError, subprocess.SubprocessError):
-            return ""
         dumps = []
-        for pid in pids:
+        for pid in self.pids():
             title = _title(pid)
             if "resource_tracker" in title:
                 continue
             dumps.append((_process_rank(title), f"{self.log_path.name} pid {pid} {title[:100]}:\n"
                           f"{_dump(spy, pid, frames)}"))
         return "\n".join(text for _, text in sorted(dumps, key=lambda d: d[0]))
+
+    def pids(self) -> list[str]:
+        """Every process of the server's group (API server, engine core, workers, agents); [] if unknown."""
+        try:
+            return subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True,
+                                  timeout=10).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return []
 
     def tail(self, n: int = 40) -> str:
         try:
