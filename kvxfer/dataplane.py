@@ -88,15 +88,34 @@ class BlockPieces:
     GIL kept (``EngineReads.read_blocks``): piece ``(rr, ru, rs, ri, lr, lu, ls, li, n)`` copies
     ``n`` bytes from remote region ``rr`` at ``remote_blocks[ru] * rs + ri`` to local region ``lr``
     at ``local_blocks[lu] * ls + li``. Made once per shape and kept (a reader may keep what it
-    derives from one by its identity)."""
+    derives from one by its identity).
+
+    ``per_block``: the pieces of one block (every unit 0), read for each block of the lists in
+    turn (remote block ``i`` into local block ``i``; the lists as long as each other). One such
+    shape serves loads of any length, where a shape of the whole load is made per prompt length
+    and grows with it (``nbytes`` is then one block's)."""
 
     pieces: tuple[BlockPiece, ...]
     nbytes: int
+    per_block: bool = False
+
+    def bytes_for(self, blocks: int) -> int:
+        """The bytes a read of ``blocks`` block ids (per remote list) moves."""
+        return self.nbytes * blocks if self.per_block else self.nbytes
 
     def descriptors(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> Descriptors:
-        """The pieces for these block ids, as a plane's ``read`` takes them."""
+        """The pieces for these block ids, as a plane's ``read`` takes them (a per-block shape's
+        piece by piece, each over every block in turn: neighbours a coalescing pass can join)."""
         a = np.array(self.pieces, dtype=np.int64).reshape(-1, 9)
         rb, lb = np.asarray(remote_blocks, dtype=np.int64), np.asarray(local_blocks, dtype=np.int64)
+        if self.per_block:
+            if len(rb) != len(lb):
+                raise ValueError(f"a per-block read needs as many local block ids as remote ({len(lb)} != {len(rb)})")
+            n = len(rb)
+            ro = rb[None, :] * a[:, 2:3] + a[:, 3:4]
+            lo = lb[None, :] * a[:, 6:7] + a[:, 7:8]
+            return Descriptors(np.repeat(a[:, 0], n), ro.ravel(), np.repeat(a[:, 4], n), lo.ravel(),
+                               np.repeat(a[:, 8], n))
         return Descriptors(a[:, 0].copy(), rb[a[:, 1]] * a[:, 2] + a[:, 3], a[:, 4].copy(),
                            lb[a[:, 5]] * a[:, 6] + a[:, 7], a[:, 8].copy())
 

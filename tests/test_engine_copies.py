@@ -67,6 +67,15 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
         out = c.poll()  # no wait: the bytes are here when start_load returns
         assert out.receiving == [rid] and not out.failed
         assert same(pt, src, ct, dst)
+    # block ids consecutive on both sides (copied a run at a time), in part, and a partial last block
+    for rid, src, dst, tokens in (("run", [40, 41, 42, 43], [40, 41, 42, 43], 64),
+                                  ("part-run", [44, 45, 47, 48], [44, 45, 46, 49], 60)):
+        c.start_load(rid, p.hold(rid, src, tokens), dst)
+        assert c.poll().receiving == [rid]
+        rows = tokens % 16 or 16  # the last block's tokens ([block, token, head, dim] tensors)
+        assert same(pt, src[:-1], ct, dst[:-1])
+        assert all(torch.equal(a[src[-1], :rows].view(torch.uint8), b[dst[-1], :rows].view(torch.uint8))
+                   and not b[dst[-1], rows:].view(torch.uint8).any() for a, b in zip(pt, ct, strict=True))
     # a prefix hit: only the blocks after it are written
     before = [t[[60, 61]].clone() for t in ct]
     c.wait("hit", params := p.hold("hit", [20, 21], 32))  # waiting first: its renewals end with the load
@@ -74,10 +83,12 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
     assert c.poll().receiving == ["hit"]
     assert same(pt, [21], ct, [61]) and all(torch.equal(b[0], t[60]) for b, t in zip(before, ct, strict=True))
     s = c.stats()  # the agent counts the engine's copies too, by the time stats() answers
-    assert s["engine_copied_loads"] == 5 and s["loads_ok"] == 6 and s["loads_failed"] == 0
-    assert s["stage_loads"] == s["stage_handoffs"] == 6  # the bench's stages count every load once
-    assert s["bytes_received"] == 10 * ct[0][0].numel() * ct[0].element_size() * len(ct)
-    assert released(p, ["first", "hit", *rids]) == sorted(["first", "hit", *rids])  # the agent sent the done notices
+    assert s["engine_copied_loads"] == 7 and s["loads_ok"] == 8 and s["loads_failed"] == 0
+    assert s["stage_loads"] == s["stage_handoffs"] == 8  # the bench's stages count every load once
+    block = ct[0][0].numel() * ct[0].element_size() * len(ct)
+    assert s["bytes_received"] == 10 * block + 4 * block + 3 * block + block * 12 // 16
+    done = ["first", "hit", "run", "part-run", *rids]
+    assert released(p, done) == sorted(done)  # the agent sent the done notices
     assert c.poll(0.1).receiving == []  # each reported once
 
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from kvxfer.connectors.cma.engine_reads import copy_views, peer_shape
+from kvxfer.connectors.cma.engine_reads import block_runs, copy_views, peer_shape
 from kvxfer.connectors.cma.peer import pieces
 
 from kvxfer.agent.engine_loads import MAX_PIECES
@@ -178,6 +178,41 @@ def test_a_shape_read_through_its_block_pieces_lands_as_the_plan_says_and_keeps_
     assert releases(lambda: (shaped.in_bounds(rb, lb), shaped.copy(rb, lb),
                              check_blocks(read_at, (board.address, board.rows), "r", blocks)), 100) == 0
     board.close()
+
+
+PER_BLOCK = [s for s in SHAPED if s[1] == s[4]]
+
+
+@pytest.mark.parametrize("shape", PER_BLOCK, ids=[f"{s[0]}{s[1]}-{i}" for i, s in enumerate(PER_BLOCK)])
+@pytest.mark.parametrize("tokens", [16, 9], ids=["whole", "partial"])
+def test_a_per_block_shape_over_runs_of_block_ids_lands_as_its_descriptors_and_keeps_the_gil(
+        shape: tuple, tokens: int) -> None:
+    """A per-block shape (one block's pieces, read for every block of a load; a piece that fills
+    its block copied once per run of consecutive ids) moves what its descriptors say, for ids in
+    runs and not, and keeps the GIL."""
+    r_layout, r_bs, r_kw, l_layout, l_bs, l_kw, sl = shape
+    heads = 4 if sl is HALF else 8
+    rc, lc, ref = cache(r_layout, r_bs, **r_kw), cache(l_layout, l_bs, heads=heads, **l_kw), \
+        cache(l_layout, l_bs, heads=heads, **l_kw)
+    for i in range(len(rc.regions)):
+        src = np.frombuffer(address_view(rc.regions[i].address, rc.regions[i].length), dtype=np.uint8)
+        src[:] = np.random.default_rng(i).integers(0, 256, len(src), dtype=np.uint8)
+    plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), sl, 0, tokens)
+    bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()), per_block=True)
+    shaped = peer_shape(bp, views(lc), views(rc), strides(rc))
+    assert shaped is not None and shaped.per_block
+    rb, lb = [3, 4, 5, 9, 10, 20, 30, 31], [7, 8, 9, 10, 40, 41, 50, 51]  # runs of 3, 1, 1, 1, 2 on both sides
+    assert block_runs(rb, lb) == [(0, 3), (3, 1), (4, 1), (5, 1), (6, 2)]
+    assert shaped.in_bounds(rb, lb) and not shaped.in_bounds(rb, lb[:-1]) and not shaped.in_bounds([], [])
+    assert not shaped.in_bounds([*rb[:-1], 64], lb) and not shaped.in_bounds(rb, [-1, *lb[1:]])
+    assert set(shaped.held_blocks(rb)) == set(rb)
+    d = bp.descriptors(rb, lb)
+    assert int(d.length.sum()) == bp.bytes_for(len(rb)) == bp.nbytes * len(rb)
+    copy_views(d, views(ref), views(rc))
+    shaped.copy(rb, lb)
+    for a, b in zip(lc.regions, ref.regions, strict=True):
+        assert bytes(address_view(a.address, a.length)) == bytes(address_view(b.address, b.length))
+    assert releases(lambda: (shaped.in_bounds(rb, lb), shaped.copy(rb, lb)), 100) == 0
 
 
 def test_a_shape_with_a_region_not_mapped_or_a_piece_across_blocks_is_left_to_the_generic_read() -> None:

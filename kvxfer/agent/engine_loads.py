@@ -18,9 +18,13 @@ The GIL is never released here, from planning to the recheck: a busy Python thre
 given it keeps it a switch interval (5 ms), ten times a load. So no numpy call that releases it
 whatever the size (``searchsorted``, ``sort``, ``add.reduceat``, ``arange`` of three or more, the
 copy of a broadcast view: the planner and the board check avoid them), and no array over numpy's
-threshold: a plan of more than ``MAX_PIECES`` pieces is built once per shape (then kept) and
-passed on. That sends some small loads to the agent: with 32 layers, an NHD cache read across a TP
-mismatch is a piece per token and head slice (1024 for one block).
+threshold per load. Shapes are made once and kept: from a producer of this engine's block size
+(block ``i`` of the prompt is block ``i`` on both sides) a per-block shape for whole blocks and
+one per partial block's token count (``BlockPieces.per_block``), whatever the prompt's length, so
+their rare builds may be larger (``MAX_BLOCK_PIECES`` a block); from one of another block size a
+shape of the whole load, made per prompt length, and over ``MAX_PIECES`` pieces passed on. A
+per-block piece that fills its block is copied once per run of consecutive block ids: a contiguous
+16 MiB load is 64 copies, not 512.
 
 Threads: the engine's; the owning ``AgentConnector`` serialises calls (its ``_engine_lock``).
 """
@@ -48,6 +52,10 @@ MAX_LAYOUTS = 64  # producer layouts whose slices are kept
 # and a busy thread of the engine given it keeps it a switch interval (5 ms): loads of more pieces
 # than this go to the agent, so every array the engine's copy makes stays under that
 MAX_PIECES = 500
+# a producer of this engine's block size is read with per-block shapes, made once per producer, layout
+# and tokens in the block (not per prompt length), so their plans may be larger: the bound here is the
+# Python work per block of a load (about 0.3 us a piece; an 8-head cache's partial block is 512)
+MAX_BLOCK_PIECES = 4096
 MAX_SHAPES = 256  # load shapes whose pieces are kept (then all are dropped and made again)
 
 
@@ -100,26 +108,69 @@ class EngineLoads:
         ranks = {r.rank: r for r in params.ranks}
         local = local_blocks.tolist()
         reads: list[tuple[str, BlockPieces, Sequence[int], Sequence[int]]] = []
+        whole = 0  # pieces of whole-load shapes (per-block shapes have a cap of their own)
         for rr, sls in self._slices_by_rank(params.layout).items():
             r = ranks.get(rr)
             peer = self._peers.get((params.engine_id, rr))
             if r is None or peer is None or peer.meta.generation != r.generation:
                 self.passed += 1
                 return None
-            shape = self._pieces(peer, params.layout, sls, skip_tokens, params.num_tokens)
-            if shape is None:
+            if peer.side.block_size == self.local_side.block_size:
+                rank_reads = self._per_block(peer, params.layout, sls, skip_tokens, params.num_tokens,
+                                             params.block_ids, local)
+            else:
+                shape = self._pieces(peer, params.layout, sls, skip_tokens, params.num_tokens)
+                rank_reads = None if shape is None else [(peer.peer_id, shape, params.block_ids, local)]
+                whole += 0 if shape is None else len(shape.pieces)
+            if not rank_reads or whole > MAX_PIECES:  # several producer ranks: the cap is the load's
                 self.passed += 1
                 return None
-            reads.append((peer.peer_id, shape, params.block_ids, local))
-        if len(reads) > 1 and sum(len(bp.pieces) for _, bp, _, _ in reads) > MAX_PIECES:
-            self.passed += 1  # several producer ranks: the cap is the load's
-            return None
+            reads.extend(rank_reads)
         planned = time.monotonic()
         if not self.reads.read_blocks(params.request_id, reads):
             self.passed += 1
             return None
         self.copied += 1
-        return sum(bp.nbytes for _, bp, _, _ in reads), planned
+        return sum(bp.bytes_for(len(rb)) for _, bp, rb, _ in reads), planned
+
+    def _per_block(self, peer: Peer, layout: ParallelLayout, sls: list[SourceSlice], skip_tokens: int,
+                   num_tokens: int, remote_blocks: Sequence[int], local: Sequence[int]
+                   ) -> list[tuple[str, BlockPieces, Sequence[int], Sequence[int]]] | None:
+        """A load from a producer of this engine's block size, as per-block shapes: one for its
+        whole blocks, one for a partial last block (block ``i`` of the prompt is block ``i`` on
+        both sides). None: the agent loads it."""
+        size = self.local_side.block_size
+        first, full, tail = skip_tokens // size, num_tokens // size, num_tokens % size
+        reads: list[tuple[str, BlockPieces, Sequence[int], Sequence[int]]] = []
+        for tokens, lo, hi in ((size, first, full), (tail, full, full + 1)):
+            if tokens == 0 or hi <= lo:
+                continue
+            shape = self._block_shape(peer, layout, sls, tokens)
+            if shape is None:
+                return None
+            reads.append((peer.peer_id, shape, remote_blocks[lo:hi], local[lo:hi]))
+        return reads or None
+
+    def _block_shape(self, peer: Peer, layout: ParallelLayout, sls: list[SourceSlice], tokens: int
+                     ) -> BlockPieces | None:
+        """The per-block pieces of a block's first ``tokens`` tokens from ``peer`` (made once per
+        producer, layout and token count, then kept: at most a block size of them per producer);
+        None: the agent loads it (a shape the planner refuses, or over MAX_BLOCK_PIECES pieces)."""
+        key = (peer.peer_id, layout, -1, tokens)  # skip -1: a per-block shape, never a load's own
+        if key in self._shapes:
+            return self._shapes[key]
+        try:
+            plans = [DirectPlan.build(peer.side, self.local_side, s, 0, tokens) for s in sls]
+        except ValueError:
+            shape = None
+        else:
+            pieces = [p for plan in plans for p in plan.block_pieces()] \
+                if sum(len(plan.length) for plan in plans) <= MAX_BLOCK_PIECES else []
+            shape = BlockPieces(tuple(pieces), sum(p[-1] for p in pieces), per_block=True) if pieces else None
+        if len(self._shapes) >= MAX_SHAPES:
+            self._shapes.clear()
+        self._shapes[key] = shape
+        return shape
 
     def _pieces(self, peer: Peer, layout: ParallelLayout, sls: list[SourceSlice], skip_tokens: int,
                 num_tokens: int) -> BlockPieces | None:
