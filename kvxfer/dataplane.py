@@ -288,11 +288,12 @@ class EngineReads(ABC):
         the producer's ``request_id`` now, checked against its holds, or report False: then the
         caller's agent loads it (what was written went only into the load's own blocks)."""
 
-    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]
-                    ) -> bool:
+    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]],
+                    release_gil: bool = False) -> bool:
         """``read`` of (peer id, pieces, remote block ids, local block ids): a plane may derive
         what a shape's reads need once and keep it (cma does); by default, ``read`` of each
-        shape's descriptors."""
+        shape's descriptors. ``release_gil``: a large load, whose copy may let the GIL go (the
+        engine's other threads run meanwhile); else the copy keeps it."""
         return self.read(request_id, [(peer_id, bp.descriptors(rb, lb)) for peer_id, bp, rb, lb in reads])
 
     @abstractmethod

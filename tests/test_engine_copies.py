@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -90,6 +91,21 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
     done = ["first", "hit", "run", "part-run", *rids]
     assert released(p, done) == sorted(done)  # the agent sent the done notices
     assert c.poll(0.1).receiving == []  # each reported once
+
+
+@pytest.mark.parametrize("pair", [({"engine_copy_release_gil_bytes": 1}, {})], indirect=True)
+def test_a_large_load_is_copied_with_the_gil_released_and_the_short_switch_interval(pair: Pair) -> None:
+    """A load of engine_copy_release_gil_bytes or more: copied in start_load bit-exact, the
+    engine's switch interval short from the copy until the poll that reports it."""
+    p, pt, c, ct = pair
+    first_load(p, c)
+    assert c.poll().receiving == [] and sys.getswitchinterval() != pytest.approx(0.0005)
+    src, dst = [20, 21, 22, 30, 31], [20, 21, 22, 40, 41]
+    c.start_load("large", p.hold("large", src, 80), dst)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert c.poll().receiving == ["large"]
+    assert same(pt, src, ct, dst) and c.stats()["engine_copied_loads"] == 1
+    assert sys.getswitchinterval() != pytest.approx(0.0005)
 
 
 @pytest.mark.parametrize("pair", [({"engine_copy_bytes": 0}, {}), ({}, {"data_plane": {"one_sided": False}})],

@@ -213,6 +213,24 @@ def test_a_per_block_shape_over_runs_of_block_ids_lands_as_its_descriptors_and_k
     for a, b in zip(lc.regions, ref.regions, strict=True):
         assert bytes(address_view(a.address, a.length)) == bytes(address_view(b.address, b.length))
     assert releases(lambda: (shaped.in_bounds(rb, lb), shaped.copy(rb, lb)), 100) == 0
+    for r in lc.regions:  # the released copy (a large load's) moves the same bytes, into a cleared cache
+        np.frombuffer(address_view(r.address, r.length), dtype=np.uint8)[:] = 0
+    shaped.copy_released(rb, lb)
+    for a, b in zip(lc.regions, ref.regions, strict=True):
+        assert bytes(address_view(a.address, a.length)) == bytes(address_view(b.address, b.length))
+
+
+def test_a_large_loads_copy_lets_the_gil_go_and_a_short_one_never_does() -> None:
+    """``copy_released`` (a large load's) is one system call per 1024 pieces with the GIL released:
+    another thread runs meanwhile; ``copy`` of the same shape never lets it run."""
+    rc, lc = cache("NHD", 16, layers=32), cache("NHD", 16, layers=32)
+    plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), ALL, 0, 16)
+    bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()), per_block=True)
+    shaped = peer_shape(bp, views(lc), views(rc), strides(rc))
+    assert shaped is not None
+    blocks = list(range(40))
+    assert releases(lambda: shaped.copy_released(blocks, blocks), 20) > 0
+    assert releases(lambda: shaped.copy(blocks, blocks), 20) == 0
 
 
 def test_a_shape_with_a_region_not_mapped_or_a_piece_across_blocks_is_left_to_the_generic_read() -> None:

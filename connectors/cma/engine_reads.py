@@ -3,8 +3,13 @@
 The same one-sided read as the plane's (:meth:`CmaDataPlane._read_one_sided`): the producer's hold
 board row and block ids read before the copy, the copy from this process's read-only mapping of
 the producer's file (``process_vm_readv`` where a region is not mapped), the row read again after.
-The copy keeps the GIL, whatever its size (``connector.engine_copy_bytes`` bounds it): released
-per piece, a busy Python thread of the engine would keep it a switch interval (5 ms) each time.
+A small copy keeps the GIL: released per piece, a busy Python thread of the engine would keep it
+a switch interval (5 ms) each time. A large one (``release_gil``: the engine's loads ask for it
+from ``RELEASE_GIL_BYTES``) is one ``process_vm_readv`` of this process's own views per 1024
+pieces with the GIL released: kept through a copy of milliseconds, a busy thread would take it
+mid-copy (its wait for the GIL ends after one interval) and the engine wait an interval to go on,
+so the copy of a 16 MiB load doubled; released once, it costs one wait for the GIL after the copy,
+which the short switch interval the engine's connector claims for it keeps short.
 
 A load the board does not allow whole (not held yet, a push hold, a full board window, a producer
 without a board), a copy that fails, or a row that changed: False, and the agent loads it as
@@ -24,8 +29,9 @@ Threads: one caller at a time (the engine's connector holds its lock around ever
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +61,7 @@ class PeerShape:
     local_limits: list[tuple[int, int]]  # (unit, largest block id)
     remote_limits: list[tuple[int, int]]
     per_block: bool = False
+    addresses: list[tuple[int, int]] = field(default_factory=list)  # per piece: (local view's, remote view's)
 
     def in_bounds(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> bool:
         try:
@@ -98,6 +105,30 @@ class PeerShape:
                     lv[lo : lo + n] = rv[ro : ro + n]
 
 
+    def copy_released(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
+        """``copy`` as one ``process_vm_readv`` of this process's own views per IOV_MAX pieces,
+        the GIL released during each: for a large load, whose copy with the GIL kept a busy
+        thread of the engine would interrupt every switch interval (and the engine then wait one
+        to go on). Raises OSError on a failed or short copy."""
+        local: list[int] = []
+        remote: list[int] = []
+        runs = block_runs(remote_blocks, local_blocks) if self.per_block else []
+        for (_, lu, ls, li, _, ru, rs, ri, n), (la, ra) in zip(self.pieces, self.addresses, strict=True):
+            if not self.per_block:
+                local += (la + local_blocks[lu] * ls + li, n)
+                remote += (ra + remote_blocks[ru] * rs + ri, n)
+            elif n == ls == rs:
+                for j, k in runs:
+                    local += (la + local_blocks[j] * ls + li, k * n)
+                    remote += (ra + remote_blocks[j] * rs + ri, k * n)
+            else:
+                for rb, lb in zip(remote_blocks, local_blocks, strict=True):
+                    local += (la + lb * ls + li, n)
+                    remote += (ra + rb * rs + ri, n)
+        copy_from(os.getpid(), np.array(local, dtype=np.int64).reshape(-1, 2),
+                  np.array(remote, dtype=np.int64).reshape(-1, 2))
+
+
 def block_runs(remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> list[tuple[int, int]]:
     """``(first index, count)`` of each run of block ids that are consecutive on both sides."""
     runs: list[tuple[int, int]] = []
@@ -130,7 +161,15 @@ def peer_shape(bp: BlockPieces, local: dict[int, memoryview], remote: dict[int, 
                 return None
             limits[unit] = min(limits.get(unit, NO_LIMIT), top)
         pieces.append((lv, lu, ls, li, rv, ru, rs, ri, n))
-    return PeerShape(pieces, list(lim[0].items()), list(lim[1].items()), bp.per_block)
+    views = {id(p[0]): p[0] for p in pieces} | {id(p[4]): p[4] for p in pieces}
+    at = {key: view_address(v) for key, v in views.items()}
+    return PeerShape(pieces, list(lim[0].items()), list(lim[1].items()), bp.per_block,
+                     [(at[id(p[0])], at[id(p[4])]) for p in pieces])
+
+
+def view_address(view: memoryview) -> int:
+    """Where a region view's bytes start in this process (read-only views too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 class CmaEngineReads(EngineReads):
@@ -212,8 +251,8 @@ class CmaEngineReads(EngineReads):
                 return False
         return self._rechecked([(peer_id, peer, row) for peer_id, peer, _, _, _, row in allowed])
 
-    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]
-                    ) -> bool:
+    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]],
+                    release_gil: bool = False) -> bool:
         shaped: list[tuple[str, Peer, PeerShape, Sequence[int], Sequence[int]]] = []
         for peer_id, bp, rb, lb in reads:
             peer = self._peers.get(peer_id)
@@ -234,8 +273,11 @@ class CmaEngineReads(EngineReads):
             rows.append((peer_id, peer, row))
         for _, _, shape, rb, lb in shaped:
             try:
-                shape.copy(rb, lb)
-            except (ValueError, IndexError, TypeError) as e:  # ruled out by the checks above; the agent loads it
+                if release_gil:
+                    shape.copy_released(rb, lb)
+                else:
+                    shape.copy(rb, lb)
+            except (OSError, ValueError, IndexError, TypeError) as e:  # ruled out by the checks; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
         return self._rechecked(rows)
