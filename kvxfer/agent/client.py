@@ -259,7 +259,7 @@ class AgentConnector:
             return None
         return EngineLoads(reads, self.layout, self.tp_rank, self.pp_rank, SideLayout.from_cache(cache),
                            conn.engine_copy_bytes, cache.spec.bytes_per_block,
-                           conn.engine_copy_release_gil_bytes, self._switch)
+                           conn.engine_copy_release_gil_bytes or None, self._switch)
 
     @property
     def side_channel_port(self) -> int:

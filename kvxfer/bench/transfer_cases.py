@@ -49,8 +49,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "ucx-native": ("ucx", {"rma_progress": "native"}, {}),
     # every load through the transfer agent: what the engine's own small copies (engine_copy_bytes) change
     "cma-agent": ("cma", {}, {"engine_copy_bytes": 0}),
-    "cma-16m": ("cma", {}, {"engine_copy_bytes": 16 << 20}),  # the engine copies 16 MiB loads too
-    "cma-16m-kept": ("cma", {}, {"engine_copy_bytes": 16 << 20, "engine_copy_release_gil_bytes": 1 << 40}),
+    # the engine's copies of 4 MiB and more let the GIL go (engine_copy_release_gil_bytes)
+    "cma-released": ("cma", {}, {"engine_copy_release_gil_bytes": 4 << 20}),
     # the interpreter's own switch interval kept while loads are in flight (gil_switch_interval_s: 0):
     # what the short one buys when the engine's Python is busy (--busy-engine)
     **{f"{p}-noswitch": (p, {}, {"gil_switch_interval_s": 0.0}) for p in ("tcp", "ucx", "cma")},
