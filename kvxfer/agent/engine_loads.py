@@ -14,7 +14,8 @@ Anything else goes to the agent, which is always right: a load larger than
 yet or of another generation, layouts that need a repack (staging), a hold not on the board, a
 failed copy or recheck.
 
-The GIL is never released here, from planning to the recheck: a busy Python thread of the engine
+The GIL is never released here, from planning to the recheck (but in a copy of at least
+``connector.engine_copy_release_gil_bytes``, off by default): a busy Python thread of the engine
 given it keeps it a switch interval (5 ms), ten times a load. So no numpy call that releases it
 whatever the size (``searchsorted``, ``sort``, ``add.reduceat``, ``arange`` of three or more, the
 copy of a broadcast view: the planner and the board check avoid them), and no array over numpy's
