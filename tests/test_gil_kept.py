@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from kvxfer.connectors.cma.engine_reads import block_runs, copy_views, peer_shape
+from kvxfer.connectors.cma.engine_reads import GENERIC_MAX_PIECES, CmaEngineReads, block_runs, copy_views, peer_shape
 from kvxfer.connectors.cma.peer import pieces
 
 from kvxfer.agent.engine_loads import MAX_PIECES
@@ -218,6 +218,27 @@ def test_a_per_block_shape_over_runs_of_block_ids_lands_as_its_descriptors_and_k
     shaped.copy_released(rb, lb)
     for a, b in zip(lc.regions, ref.regions, strict=True):
         assert bytes(address_view(a.address, a.length)) == bytes(address_view(b.address, b.length))
+
+
+def test_a_per_block_shape_takes_block_ids_as_an_array_and_its_generic_read_stays_small() -> None:
+    """Block ids as a numpy array are bounds-checked as a list is; a per-block shape left to the
+    generic read (a region not mapped) over more than GENERIC_MAX_PIECES pieces is refused (the
+    agent's), so that read's numpy work never lets the GIL go."""
+    rc, lc = cache("NHD", 16), cache("NHD", 16)
+    plan = DirectPlan.build(SideLayout.from_cache(rc), SideLayout.from_cache(lc), ALL, 0, 16)
+    bp = BlockPieces(tuple(plan.block_pieces()), int(plan.length.sum()), per_block=True)
+    shaped = peer_shape(bp, views(lc), views(rc), strides(rc))
+    assert shaped is not None
+    assert shaped.in_bounds(np.array([1, 2]), np.array([3, 4])) and not shaped.in_bounds(np.array([1, 64]), [3, 4])
+    reads = CmaEngineReads(lc.regions, map_memory=False)
+    asked: list[int] = []  # the pieces the generic read was handed (its own read, recorded)
+    reads.read = lambda rid, rs: bool(asked.append(sum(len(d) for _, d in rs)))  # type: ignore[method-assign]
+    fits = GENERIC_MAX_PIECES // len(bp.pieces)
+    assert not reads._read_generic("r", [("p", bp, list(range(fits)), list(range(fits)))])
+    assert len(asked) == 1, "under the cap: read through the generic read"
+    assert not reads._read_generic("r", [("p", bp, list(range(fits + 1)), list(range(fits + 1)))])
+    assert len(asked) == 1, "over the cap: refused before any numpy work"
+    reads.close()
 
 
 def test_a_large_loads_copy_lets_the_gil_go_and_a_short_one_never_does() -> None:

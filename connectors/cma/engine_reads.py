@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 MAX_SHAPES = 64  # PeerShapes kept per producer (then all are dropped and derived again)
 NO_LIMIT = 1 << 62
+# the generic read's vectorised work lets the GIL go on arrays over 500 elements (engine_loads.MAX_PIECES):
+# a per-block shape that needs it (a region not mapped) over more pieces than this goes to the agent
+GENERIC_MAX_PIECES = 500
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class PeerShape:
     def in_bounds(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> bool:
         try:
             if self.per_block:
-                if not remote_blocks or len(remote_blocks) != len(local_blocks):
+                if len(remote_blocks) == 0 or len(remote_blocks) != len(local_blocks):
                     return False
                 r_top, l_top = max(remote_blocks), max(local_blocks)
                 return (min(remote_blocks) >= 0 and min(local_blocks) >= 0
@@ -74,7 +77,7 @@ class PeerShape:
                         and all(l_top <= top for _, top in self.local_limits))
             return (all(0 <= remote_blocks[u] <= top for u, top in self.remote_limits)
                     and all(0 <= local_blocks[u] <= top for u, top in self.local_limits))
-        except (IndexError, TypeError):  # fewer block ids than the shape's units: not this shape's load
+        except (IndexError, TypeError, ValueError):  # fewer block ids than the shape's units, or not ids
             return False
 
     def held_blocks(self, remote_blocks: Sequence[int]) -> Sequence[int] | set[int]:
@@ -305,7 +308,10 @@ class CmaEngineReads(EngineReads):
     def _read_generic(self, request_id: str,
                       reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]]) -> bool:
         """A shape ``read_blocks`` cannot take itself, through ``read`` (coalesced descriptors:
-        fewer pieces for process_vm_readv); block ids the shape cannot take: False."""
+        fewer pieces for process_vm_readv); block ids the shape cannot take, or more than
+        GENERIC_MAX_PIECES pieces (its numpy work would let the GIL go): False."""
+        if sum(len(bp.pieces) * (len(rb) if bp.per_block else 1) for _, bp, rb, _ in reads) > GENERIC_MAX_PIECES:
+            return False
         try:
             descs = [(peer_id, bp.descriptors(rb, lb)) for peer_id, bp, rb, lb in reads]
         except (IndexError, ValueError, TypeError, OverflowError):
