@@ -3,13 +3,12 @@
 The same one-sided read as the plane's (:meth:`CmaDataPlane._read_one_sided`): the producer's hold
 board row and block ids read before the copy, the copy from this process's read-only mapping of
 the producer's file (``process_vm_readv`` where a region is not mapped), the row read again after.
-A small copy keeps the GIL: released per piece, a busy Python thread of the engine would keep it
-a switch interval (5 ms) each time. A large one (``release_gil``: the engine's loads ask for it
-from ``RELEASE_GIL_BYTES``) is one ``process_vm_readv`` of this process's own views per 1024
-pieces with the GIL released: kept through a copy of milliseconds, a busy thread would take it
-mid-copy (its wait for the GIL ends after one interval) and the engine wait an interval to go on,
-so the copy of a 16 MiB load doubled; released once, it costs one wait for the GIL after the copy,
-which the short switch interval the engine's connector claims for it keeps short.
+The copy keeps the GIL: released per piece, a busy Python thread of the engine would keep it a
+switch interval (5 ms) each time. With ``release_gil`` (a load of at least
+``connector.engine_copy_release_gil_bytes``, off by default) it is one ``process_vm_readv`` of
+this process's own views per 1024 pieces with the GIL released: kept through a copy of
+milliseconds, a busy thread takes the GIL mid-copy and the engine waits an interval to go on;
+released, the copy runs beside that thread, at 1.4-1.8x the time of the kept ``memcpy``s.
 
 A load the board does not allow whole (not held yet, a push hold, a full board window, a producer
 without a board), a copy that fails, or a row that changed: False, and the agent loads it as
@@ -30,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,50 +83,40 @@ class PeerShape:
         """The producer's blocks this read touches (what its board must show held)."""
         return remote_blocks if self.per_block else {remote_blocks[u] for u, _ in self.remote_limits}
 
-    def copy(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
-        """Each piece a slice assignment between region views: ``memcpy`` with the GIL kept. A
-        per-block shape's piece that fills its block (length = both strides) is copied once per
-        run of block ids consecutive on both sides: a contiguous load's 64 pieces, not 64 a block."""
+    def spans(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]
+              ) -> Iterator[tuple[int, int, int, int]]:
+        """Each copy a read makes: (piece index, local offset, remote offset, bytes). A per-block
+        shape's piece that fills its block (length = both strides) is one copy per run of block
+        ids consecutive on both sides: a contiguous load's 64 pieces, not 64 a block."""
         if not self.per_block:
-            for lv, lu, ls, li, rv, ru, rs, ri, n in self.pieces:
-                lo = local_blocks[lu] * ls + li
-                ro = remote_blocks[ru] * rs + ri
-                lv[lo : lo + n] = rv[ro : ro + n]
+            for i, (_, lu, ls, li, _, ru, rs, ri, n) in enumerate(self.pieces):
+                yield i, local_blocks[lu] * ls + li, remote_blocks[ru] * rs + ri, n
             return
         runs = block_runs(remote_blocks, local_blocks)
-        for lv, _, ls, li, rv, _, rs, ri, n in self.pieces:
+        for i, (_, _, ls, li, _, _, rs, ri, n) in enumerate(self.pieces):
             if n == ls == rs:
                 for j, k in runs:
-                    lo = local_blocks[j] * ls + li
-                    ro = remote_blocks[j] * rs + ri
-                    lv[lo : lo + k * n] = rv[ro : ro + k * n]
+                    yield i, local_blocks[j] * ls + li, remote_blocks[j] * rs + ri, k * n
             else:
                 for rb, lb in zip(remote_blocks, local_blocks, strict=True):
-                    lo = lb * ls + li
-                    ro = rb * rs + ri
-                    lv[lo : lo + n] = rv[ro : ro + n]
+                    yield i, lb * ls + li, rb * rs + ri, n
 
+    def copy(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
+        """Each span a slice assignment between region views: ``memcpy`` with the GIL kept."""
+        pieces = self.pieces
+        for i, lo, ro, n in self.spans(remote_blocks, local_blocks):
+            pieces[i][0][lo : lo + n] = pieces[i][4][ro : ro + n]
 
     def copy_released(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
-        """``copy`` as one ``process_vm_readv`` of this process's own views per IOV_MAX pieces,
-        the GIL released during each: for a large load, whose copy with the GIL kept a busy
-        thread of the engine would interrupt every switch interval (and the engine then wait one
-        to go on). Raises OSError on a failed or short copy."""
+        """``copy`` as one ``process_vm_readv`` of this process's own views per IOV_MAX spans,
+        the GIL released during each (``connector.engine_copy_release_gil_bytes``). Raises
+        OSError on a failed or short copy."""
         local: list[int] = []
         remote: list[int] = []
-        runs = block_runs(remote_blocks, local_blocks) if self.per_block else []
-        for (_, lu, ls, li, _, ru, rs, ri, n), (la, ra) in zip(self.pieces, self.addresses, strict=True):
-            if not self.per_block:
-                local += (la + local_blocks[lu] * ls + li, n)
-                remote += (ra + remote_blocks[ru] * rs + ri, n)
-            elif n == ls == rs:
-                for j, k in runs:
-                    local += (la + local_blocks[j] * ls + li, k * n)
-                    remote += (ra + remote_blocks[j] * rs + ri, k * n)
-            else:
-                for rb, lb in zip(remote_blocks, local_blocks, strict=True):
-                    local += (la + lb * ls + li, n)
-                    remote += (ra + rb * rs + ri, n)
+        at = self.addresses
+        for i, lo, ro, n in self.spans(remote_blocks, local_blocks):
+            local += (at[i][0] + lo, n)
+            remote += (at[i][1] + ro, n)
         copy_from(os.getpid(), np.array(local, dtype=np.int64).reshape(-1, 2),
                   np.array(remote, dtype=np.int64).reshape(-1, 2))
 
