@@ -10,12 +10,14 @@ the output. Reported per connector:
   (post to completion of its reads) and kvxfer's ``kvxfer_transfer_seconds`` (start of the
   load to its end, planning included); the mean over the measured requests;
 - the ratio of each to NIXL's, measured in the same run, on the same transports. NixlConnector
-  runs as vLLM documents it for CPU (``nixl``: ``UCX_TLS=sm,self,tcp``: UCX then emulates its
-  one-sided reads with messages over shared memory, the transports kvxfer's ucx plane uses on
-  one host), with CMA added (``nixl-cma``: its best on one host, one-sided copies as kvxfer's
-  cma plane makes) and over TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp
-  plane). Each kvxfer row is compared with its own (column ``vs``): cma with ``nixl-cma``, tcp
-  with ``nixl-tcp``, ucx with ``nixl``; with ``nixl`` when its own did not run.
+  runs as vLLM documents it for CPU (``nixl``: ``UCX_TLS=sm,self,tcp``; ``sm`` names every shared
+  memory transport, CMA among them, so on one host its reads are CMA copies: 16 MiB at CMA's
+  speed, as ``nixl-cma``, which names CMA explicitly), without CMA (``nixl-nocma``: the
+  transports kvxfer's ucx plane lets UCX use, ``kvxfer.connectors.ucx.DEFAULT_TLS``) and over
+  TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp plane). Each kvxfer row is
+  compared with its own (column ``vs``): cma with ``nixl-cma``, tcp with ``nixl-tcp``, ucx with
+  ``nixl-nocma``; with ``nixl`` when its own did not run. Column ``xfer/dflt`` sets every row
+  against ``nixl`` as well: NixlConnector as a user starts it, whatever its wire.
 - the CPU each pair spends: cores used by both servers' processes (vLLM's and kvxfer's agents)
   for a few seconds with no request (``idle CPU``), and over the measured requests (``load
   CPU``). A connector can buy transfer time with CPU: NixlConnector's UCX progress thread polls
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.config import ConnectorConfig
+from kvxfer.connectors.ucx import DEFAULT_TLS as UCX_DEFAULT_TLS  # the string only: no ucxx import
 from kvxfer.engine.launcher import _pct
 from kvxfer.integrations.vllm_pd import (
     MAX_NUM_SEQS,
@@ -59,16 +62,18 @@ from kvxfer.progress import Progress
 
 from .session_cpu import CpuWindow
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-ucx-native",
-              "kvxfer-ucx-adaptive", "kvxfer-cma")
-DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s",
+              "kvxfer-ucx-native", "kvxfer-ucx-adaptive", "kvxfer-cma")
+DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
 # kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
 KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
                  "kvxfer-ucx-native": ("ucx", {"rma_progress": "native"}),
                  "kvxfer-ucx-adaptive": ("ucx", {"rma_progress": "adaptive"})}
-# UCX_TLS of each NixlConnector variant
-NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-tcp": "tcp"}
-SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}  # the NIXL row a kvxfer row meets (else nixl)
+# UCX_TLS of each NixlConnector variant (``sm`` includes CMA: ``nixl`` reads with CMA on one host)
+NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-nocma": UCX_DEFAULT_TLS, "nixl-tcp": "tcp"}
+# the NIXL row a kvxfer row meets (else nixl)
+SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp",
+             **{c: "nixl-nocma" for c in ("kvxfer-ucx", *KVXFER_PLANES)}}
 
 
 def baseline_of(connector: str, ran: set[str]) -> str | None:
@@ -298,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         r["nixl_baseline"] = base_name
         r["ttft_ratio_to_nixl"] = r["ttft_p50_ms"] / base["ttft_p50_ms"] if base else None
         r["transfer_ratio_to_nixl"] = r["transfer_mean_ms"] / base["transfer_mean_ms"] if base else None
+        dflt = by_name.get("nixl")  # NixlConnector as vLLM documents it, whatever the row's wire
+        r["transfer_ratio_to_nixl_default"] = r["transfer_mean_ms"] / dflt["transfer_mean_ms"] if dflt else None
         if "busy" in r:
             b = r["busy"]
             b["transfer_busy_over_idle"] = b["transfer_mean_ms"] / r["transfer_mean_ms"]
             b["transfer_ratio_to_nixl"] = (b["transfer_mean_ms"] / base["busy"]["transfer_mean_ms"]
                                            if base and "busy" in base else None)
+            b["transfer_ratio_to_nixl_default"] = (b["transfer_mean_ms"] / dflt["busy"]["transfer_mean_ms"]
+                                                   if dflt and "busy" in dflt else None)
     agent_cpus = args.agent_cpus or ConnectorConfig().agent_cpus
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
           f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}, kvxfer agent_cpus: {agent_cpus}; "
@@ -331,21 +340,23 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     busy = any("busy" in r for r in rows)
     w = max([12, *(len(r["connector"]) for r in rows)])
     header = (f"{'connector':<{w}} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
-              f"{'xfer/NIXL':>10} {'failed':>6} {'idle CPU':>8} {'load CPU':>8}")
+              f"{'xfer/NIXL':>10} {'xfer/dflt':>10} {'failed':>6} {'idle CPU':>8} {'load CPU':>8}")
     if busy:
-        header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'failed':>6}"
+        header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'busy/dflt':>10} {'failed':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
         line = (f"{r['connector']:<{w}} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
                 f"{r['ttft_p90_ms']:7.1f} ms "
                 f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
-                f"{_ratio(r['transfer_ratio_to_nixl'])} {int(r['failed_transfers']):>6} {r['idle_cores']:8.2f} "
+                f"{_ratio(r['transfer_ratio_to_nixl'])} {_ratio(r.get('transfer_ratio_to_nixl_default'))} "
+                f"{int(r['failed_transfers']):>6} {r['idle_cores']:8.2f} "
                 f"{r['phase_cores']:8.2f}")
         if "busy" in r:
             b = r["busy"]
             line += (f" | {b['transfer_mean_ms']:7.2f} ms {_ratio(b['transfer_busy_over_idle'])} "
-                     f"{_ratio(b['transfer_ratio_to_nixl'])} {int(b['failed_transfers']):>6}")
+                     f"{_ratio(b['transfer_ratio_to_nixl'])} {_ratio(b.get('transfer_ratio_to_nixl_default'))} "
+                     f"{int(b['failed_transfers']):>6}")
         print(line)
     for r in rows:
         for phase, ph in (("idle", r), ("busy", r.get("busy"))):
@@ -360,6 +371,8 @@ def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     print(f"idle CPU: cores both servers' processes used (vLLM's and kvxfer's agents) over {IDLE_CPU_S:g} s with no "
           f"request, {IDLE_SETTLE_S:g} s after the warm-up; load CPU: the same over the idle phase's requests "
           "(prefill and decode compute included)")
+    print("xfer/NIXL: against the NIXL row on the row's own transports (column 'vs'); xfer/dflt: against 'nixl', "
+          "NixlConnector as vLLM documents it for CPU (UCX_TLS=sm,self,tcp, which reads with CMA on one host)")
     if not with_nixl:
         print("(no NixlConnector row in this run: no ratios)")
 
