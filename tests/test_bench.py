@@ -341,3 +341,19 @@ def test_session_cpu_counts_the_cpu_of_a_sessions_processes_and_no_other_session
         for p in (burner, sleeper):
             p.kill()
             p.wait(10)
+
+
+def test_the_vllm_bench_sets_each_kvxfer_plane_against_nixl_on_its_own_transports() -> None:
+    """The ucx plane leaves CMA out (connectors/ucx DEFAULT_TLS), and vLLM's documented NIXL setting
+    (``sm``) reads with CMA on one host: kvxfer-ucx meets NIXL without CMA when that row ran, and
+    falls back to ``nixl`` (named in the table's ``vs`` column) only when it did not."""
+    from kvxfer.connectors.ucx import DEFAULT_TLS
+
+    from kvxfer.bench.vllm import NIXL_TLS, baseline_of
+
+    assert NIXL_TLS["nixl-nocma"] == DEFAULT_TLS and "cma" not in NIXL_TLS["nixl-tcp"]
+    ran = {"nixl", "nixl-cma", "nixl-nocma", "nixl-tcp"}
+    assert {c: baseline_of(c, ran) for c in ("kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-cma", "kvxfer-tcp")} == {
+        "kvxfer-ucx": "nixl-nocma", "kvxfer-ucx-2s": "nixl-nocma", "kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}
+    assert baseline_of("kvxfer-ucx", {"nixl", "nixl-cma"}) == "nixl"
+    assert baseline_of("kvxfer-ucx", {"nixl-tcp"}) is None

@@ -292,7 +292,7 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
     assert "idle CPU" in r.stdout and "load CPU" in r.stdout
     if importlib.util.find_spec("nixl") is None:
         assert "pip install nixl" in r.stdout and rows[-1]["nixl_baseline"] is None
-    else:  # cma meets NIXL on its own wire: NIXL with CMA, not vLLM's documented TCP-only setting
+    else:  # cma meets NIXL on its own wire: NIXL with CMA named (vLLM's documented `sm` reads with CMA too)
         assert [row["connector"] for row in rows] == ["nixl", "nixl-cma", "kvxfer-cma"]
         assert rows[-1]["nixl_baseline"] == "nixl-cma"
         assert rows[-1]["transfer_ratio_to_nixl"] == rows[-1]["transfer_mean_ms"] / rows[1]["transfer_mean_ms"]

@@ -339,14 +339,14 @@ def _ratio(x: float | None) -> str:
 def _table(rows: list[dict[str, Any]], with_nixl: bool) -> None:
     busy = any("busy" in r for r in rows)
     w = max([12, *(len(r["connector"]) for r in rows)])
-    header = (f"{'connector':<{w}} {'vs':<9} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
+    header = (f"{'connector':<{w}} {'vs':<10} {'TTFT p50':>10} {'TTFT p90':>10} {'xfer mean':>10} {'TTFT/NIXL':>10} "
               f"{'xfer/NIXL':>10} {'xfer/dflt':>10} {'failed':>6} {'idle CPU':>8} {'load CPU':>8}")
     if busy:
         header += f" | {'busy xfer':>10} {'busy/idle':>10} {'busy/NIXL':>10} {'busy/dflt':>10} {'failed':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        line = (f"{r['connector']:<{w}} {r['nixl_baseline'] or '-':<9} {r['ttft_p50_ms']:7.1f} ms "
+        line = (f"{r['connector']:<{w}} {r['nixl_baseline'] or '-':<10} {r['ttft_p50_ms']:7.1f} ms "
                 f"{r['ttft_p90_ms']:7.1f} ms "
                 f"{r['transfer_mean_ms']:7.2f} ms {_ratio(r['ttft_ratio_to_nixl'])} "
                 f"{_ratio(r['transfer_ratio_to_nixl'])} {_ratio(r.get('transfer_ratio_to_nixl_default'))} "
