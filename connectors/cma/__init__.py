@@ -53,7 +53,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +161,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         self.one_sided_reads = 0  # reads the board allowed
         self.mapped_reads = 0  # of those, reads copied from a mapping of the producer's file
         self.granted_reads = 0  # reads that asked the producer
-        self._ids = itertools.count(1)
+        self._ids: Iterator[int] = itertools.count(1)
         self._closed = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._grant_server = GrantServer(str(self.options.get("host", "127.0.0.1")), self._check_grant)  # producer side
@@ -173,6 +173,11 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         self._read_thread.start()
         # copies larger than inline_copy_bytes are cut in parts these threads help with (copier.py)
         self._helpers = CopyHelpers(self.copy_threads, _copy_part) if self.copy_threads else None
+
+    def share_batch_ids(self, ids: Iterator[int]) -> None:
+        """Number batches from ``ids``: a plane that reads some of its peers through this one
+        (the ucx plane's ``same_host: cma``) hands out both planes' results, so ids must not repeat."""
+        self._ids = ids
 
     # ------------------------------------------------------------------ registration
     def address(self) -> bytes:

@@ -79,7 +79,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,8 @@ from kvxfer.dataplane import (
     HostRegionPlane,
     MemoryRegion,
     ReadRefused,
+    ReadValidator,
+    TokenChecker,
     check_bounds,
 )
 from kvxfer.protocol import ErrorCode, ReadReply, ReadRequest, decode_data, encode
@@ -103,6 +105,7 @@ from kvxfer.threads import NamedThread
 from .connecting import Connecting, Peer, Receiver, RmaReads
 from .rma import MemoryKey, UcxRmaError, map_region
 from .runtime import UcxRuntime
+from .same_host import SameHostReads, same_host_option
 from .serving import Serving
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, scatter_pieces
 from .wire import (
@@ -127,7 +130,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TLS = "^cma,cuda_ipc,cuda_copy,gdr_copy"
 MAX_MERGED_PIECES = 1 << 14  # pieces of the staged reads that go to a producer as one request
 OPTIONS = {"progress_mode", "tls", "staging_threshold", "chunk_bytes", "inflight", "timeout_s", "host", "reads",
-           "rma_progress"}
+           "rma_progress", "same_host"}
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
 
         # auto: adaptive in a transfer agent (its Python is kvxfer's), native in an engine's process
         self.rma_adaptive = rma_progress == "adaptive" or (rma_progress == "auto" and in_agent())
+        same_host = same_host_option(o)
         for name, v in (("chunk_bytes", self.chunk_bytes), ("inflight", self.inflight),
                         ("timeout_s", self.timeout_s)):
             if v <= 0:
@@ -202,6 +206,8 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         self._ctrl_addr = f"tcp://{host}:{self._ctrl.bind_to_random_port(f'tcp://{host}')}"
         self._ctrl_thread = NamedThread(target=self._control_thread, name="kvxfer-ucx-control", daemon=True)
         self._ctrl_thread.start()
+        # same_host: cma: the cma plane beside this one, for the producers on this host (same_host.py)
+        self._same_host = SameHostReads(o, self._ids) if same_host == "cma" else None
 
     # ------------------------------------------------------------------ registration
     def _address_space(self) -> AddressSpace:
@@ -215,6 +221,8 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         goes out in ``address``). A region UCX will not map is logged, and one-sided reads of it
         are refused by name (the consumer sets ``reads: two-sided``)."""
         super().register(regions)
+        if self._same_host is not None:
+            self._same_host.plane.register(regions)
         if not self.one_sided:  # a two-sided producer hands out no keys: it serves every byte itself
             return
         for r in regions:
@@ -226,6 +234,8 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
 
     def unregister(self, region_ids: Sequence[int]) -> None:
         super().unregister(region_ids)
+        if self._same_host is not None:
+            self._same_host.plane.unregister(region_ids)
         for rid in region_ids:
             key = self._keys.pop(rid, None)
             if key is not None:
@@ -233,15 +243,76 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
 
     def address(self) -> bytes:
         keys = {rid: (k.address, k.length, k.rkey) for rid, k in self._keys.items()}
+        cma = self._same_host.plane.address() if self._same_host is not None else None
         return msgspec.msgpack.encode(UcxAddress(worker=self.rt.address, plane=self.plane_id, control=self._ctrl_addr,
-                                                 one_sided=bool(keys), regions=keys))
+                                                 one_sided=bool(keys), regions=keys, cma=cma))
+
+    # ------------------------------------------------------------------ the cma plane beside (same_host: cma)
+    def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
+        """A producer this process can read with CMA goes to the cma plane beside this one
+        (``same_host: cma``); any other is connected over UCX."""
+        if self._same_host is not None:
+            try:
+                cma = msgspec.msgpack.decode(address, type=UcxAddress).cma
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
+            if self._same_host.connect(peer_id, cma, token):
+                Connecting.disconnect(self, peer_id)  # read over UCX before (another address): no longer
+                return
+        super().connect(peer_id, address, token)
+
+    def disconnect(self, peer_id: str) -> None:
+        if self._same_host is None or not self._same_host.disconnect(peer_id):
+            super().disconnect(peer_id)
+
+    def set_read_validator(self, validator: ReadValidator) -> None:
+        super().set_read_validator(validator)
+        if self._same_host is not None:
+            self._same_host.plane.set_read_validator(validator)
+
+    def set_token_checker(self, checker: TokenChecker) -> None:
+        super().set_token_checker(checker)
+        if self._same_host is not None:
+            self._same_host.plane.set_token_checker(checker)
+
+    def set_completion_callback(self, callback: Callable[[], None]) -> None:
+        super().set_completion_callback(callback)
+        if self._same_host is not None:
+            self._same_host.plane.set_completion_callback(callback)
+
+    def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
+        if self._same_host is not None:  # its board: consumers on this host check holds there
+            self._same_host.plane.hold_changed(request_id, block_ids)
+
+    def poll(self) -> list[BatchResult]:
+        out = super().poll()
+        if self._same_host is not None:
+            out += self._same_host.plane.poll()
+        return out
+
+    def counters(self) -> dict[str, float]:
+        return self._same_host.counters() if self._same_host is not None else {}
 
     # ------------------------------------------------------------------ consumer
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:
         return self.read_many(((peer_id, request_id, descriptors),))[0]
 
     def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
-        """``read`` for each. The staged ones (small pieces) of one producer go as one request and
+        """``read`` for each: through the cma plane for the producers it reads (``same_host: cma``),
+        over UCX for the others."""
+        if self._same_host is None or not self._same_host.peers:
+            return self._read_many_ucx(reads)
+        mine, others = self._same_host.split(reads)
+        if not others:
+            return self._same_host.plane.read_many(reads)
+        ids = [0] * len(reads)
+        for positions, read in ((mine, self._same_host.plane.read_many), (others, self._read_many_ucx)):
+            for i, batch_id in zip(positions, read([reads[i] for i in positions]), strict=True):
+                ids[i] = batch_id
+        return ids
+
+    def _read_many_ucx(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """``read`` for each over UCX. The staged ones (small pieces) of one producer go as one request and
         one reply: a burst of small loads costs one control message, one reply header and one
         staged copy each way, not one of each per load (``ReadRequest.parts``). Each is still its
         own batch, reported alone; the producer checks each against its own hold, and if it
@@ -430,12 +501,16 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
     def broken(self) -> str | None:
         if self._closed:
             return "the plane is closed"
+        if self._same_host is not None and (why := self._same_host.plane.broken()) is not None:
+            return f"the cma plane beside it: {why}"
         return self.rt.broken()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._same_host is not None:
+            self._same_host.plane.close()
         self._ctrl_thread.join(timeout=5)
 
         async def shutdown() -> None:

@@ -30,6 +30,7 @@ class UcxAddress(msgspec.Struct, frozen=True):
     control: str  # the producer's ZMQ endpoint for hellos and read requests
     one_sided: bool = False  # whether it serves one-sided reads (an RMA worker per consumer, named in HelloAck)
     regions: dict[int, tuple[int, int, bytes]] = {}  # region id -> (address, length, packed remote key)
+    cma: bytes | None = None  # the address of its cma plane (same_host: cma), for consumers on its host
 
 
 class Hello(msgspec.Struct, frozen=True):

@@ -1,0 +1,89 @@
+"""``same_host: cma``: a ucx plane reads the producers on its own host with CMA.
+
+On one host UCX itself reads with CMA (``process_vm_readv``) when ``UCX_TLS`` lets it: vLLM's
+documented NixlConnector setting (``sm,self,tcp``) does, since ``sm`` names CMA too. The ucx
+plane leaves CMA out of UCX because, with error handling off, a producer that dies mid-read
+makes UCX abort the reading process; without it UCX moves same-host gets over TCP loopback,
+which needs the producer's threads on a CPU for every socket refill (on a host whose cores
+vLLM's workers spin on, tens to hundreds of milliseconds for 16 MiB). With this option a ucx
+plane runs kvxfer's cma plane beside it: the producer publishes the cma plane's address inside
+its ucx address, and a consumer reads a producer through the cma plane when the cma plane can
+read it (same boot id, and the kernel lets this process read that one: its one-byte probe),
+else over UCX. A producer that dies mid-read then fails the read with ESRCH, as on the cma
+plane. Each producer's choice is logged once, with the reason when it is UCX; the plane's
+counters say how many reads each way took (``cma_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+
+from kvxfer.config import DataPlaneValue
+from kvxfer.dataplane import Descriptors
+
+logger = logging.getLogger(__name__)
+
+SAME_HOST = ("ucx", "cma")
+# the ucx plane's options the cma plane beside it takes as they are
+SHARED_OPTIONS = ("timeout_s", "host")
+
+
+def same_host_option(options: Mapping[str, DataPlaneValue]) -> str:
+    """The ``same_host`` option, checked: ``ucx`` (the default: every producer over UCX) or ``cma``."""
+    value = options.get("same_host", "ucx")
+    if value not in SAME_HOST:
+        raise ValueError(f"connector.data_plane.same_host: expected ucx or cma, got {value!r}")
+    return str(value)
+
+
+class SameHostReads:
+    """The cma plane beside a ucx plane, and the producers read through it.
+
+    ``peers`` is written by ``connect``/``disconnect`` (the consumer's worker thread, which also
+    calls ``read_many``: in a transfer agent, its command thread), never by the UCX loop. The
+    cma plane shares the ucx plane's batch id counter, so one ``poll`` may return both planes'
+    results without two batches ever having the same id."""
+
+    def __init__(self, options: Mapping[str, DataPlaneValue], batch_ids: Iterator[int]) -> None:
+        from kvxfer.connectors.cma import CmaDataPlane
+
+        self.plane = CmaDataPlane({k: options[k] for k in SHARED_OPTIONS if k in options})
+        self.plane.share_batch_ids(batch_ids)
+        self.peers: set[str] = set()
+
+    def connect(self, peer_id: str, address: bytes | None, token: bytes) -> bool:
+        """Whether ``peer_id`` is read through the cma plane from now (``address``: the cma
+        address its ucx address carries, None when it runs without ``same_host: cma``)."""
+        if address is None:
+            self.disconnect(peer_id)  # it was read with CMA at an earlier address: no longer
+            logger.info("ucx: peer %s publishes no cma address (its same_host is ucx): read over UCX", peer_id)
+            return False
+        try:
+            self.plane.connect(peer_id, address, token)
+        except ConnectionError as e:  # another host, another pid namespace, ptrace denied
+            self.disconnect(peer_id)
+            logger.info("ucx: peer %s read over UCX, not CMA: %s", peer_id, e)
+            return False
+        logger.info("ucx: peer %s is on this host: read with CMA (same_host: cma)", peer_id)
+        self.peers.add(peer_id)
+        return True
+
+    def disconnect(self, peer_id: str) -> bool:
+        """Drop ``peer_id`` from the cma plane; whether it was read through it."""
+        if peer_id not in self.peers:
+            return False
+        self.peers.discard(peer_id)
+        self.plane.disconnect(peer_id)
+        return True
+
+    def split(self, reads: Sequence[tuple[str, str, Descriptors]]) -> tuple[list[int], list[int]]:
+        """The positions in ``reads`` of the cma plane's reads and of the others."""
+        mine: list[int] = []
+        others: list[int] = []
+        for i, (peer_id, _, _) in enumerate(reads):
+            (mine if peer_id in self.peers else others).append(i)
+        return mine, others
+
+    def counters(self) -> dict[str, float]:
+        return {"cma_peers": len(self.peers), **{f"cma_{k}": v for k, v in self.plane.counters().items()}}
