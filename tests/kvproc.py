@@ -156,7 +156,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
                   num_cached_tokens: int = 0, wait_s: float = 0.0, timeout_s: float = 60.0,
                   env: dict[str, str] | None = None, signal_first_write: bool = False,
                   use_block_manager: bool = False, local_id: str | None = None,
-                  kill_on_first_write: list[int] | None = None, announce_wait: bool = False) -> None:
+                  kill_on_first_write: list[int] | None = None, announce_wait: bool = False,
+                  with_stats: bool = False) -> None:
     """Load one request, check it against the oracle, report (status, detail, elapsed).
 
     ``local_id`` is the id this side knows the request by (default: the producer's).
@@ -167,7 +168,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
     With ``wait_s`` it first queues the request (``Connector.wait``) for that long; with ``announce_wait``
     it says ("waiting", None) once queued.
     With ``use_block_manager`` the blocks come from a BlockManager reservation (``local_blocks``
-    is ignored); a failed load is discarded there, and the detail reports the free count."""
+    is ignored); a failed load is discarded there, and the detail reports the free count.
+    With ``with_stats`` a load that arrived intact has the connector's stats as its detail."""
     import os
 
     os.environ.update(env or {})
@@ -209,6 +211,8 @@ def consumer_main(cfg_json: bytes, rank: int, params_bytes: bytes, local_blocks:
             if rid in f.receiving:
                 why = check(cache, cfg, tp_rank, local_blocks, params.num_tokens)
                 result = ("ok" if why is None else "mismatch", why, time.monotonic() - t0)
+                if why is None and with_stats:
+                    result = ("ok", c.stats(), result[2])
                 break
             if rid in f.failed:
                 invalid = f.failed[rid]

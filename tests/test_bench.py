@@ -353,7 +353,9 @@ def test_the_vllm_bench_sets_each_kvxfer_plane_against_nixl_on_its_own_transport
 
     assert NIXL_TLS["nixl-nocma"] == DEFAULT_TLS and "cma" not in NIXL_TLS["nixl-tcp"]
     ran = {"nixl", "nixl-cma", "nixl-nocma", "nixl-tcp"}
-    assert {c: baseline_of(c, ran) for c in ("kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-cma", "kvxfer-tcp")} == {
-        "kvxfer-ucx": "nixl-nocma", "kvxfer-ucx-2s": "nixl-nocma", "kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}
+    rows = ("kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-ucx-cma", "kvxfer-cma", "kvxfer-tcp")
+    assert {c: baseline_of(c, ran) for c in rows} == {
+        "kvxfer-ucx": "nixl-nocma", "kvxfer-ucx-2s": "nixl-nocma", "kvxfer-ucx-cma": "nixl",  # same_host: cma
+        "kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}
     assert baseline_of("kvxfer-ucx", {"nixl", "nixl-cma"}) == "nixl"
     assert baseline_of("kvxfer-ucx", {"nixl-tcp"}) is None

@@ -207,6 +207,23 @@ def test_bit_exact_through_transfer_agents(case: str, conn: str) -> None:
         assert [prod.stats(r)["holds_done"] for r in range(len(prod.procs))] == [1] * len(prod.procs)
 
 
+@pytest.mark.parametrize("path", ["engine", "agent"])
+def test_ucx_same_host_cma_reads_a_producer_on_this_host_with_cma(path: str) -> None:
+    """``connector.data_plane.same_host: cma`` on both sides: the ucx consumer reads this host's
+    producer through the cma plane beside it (its stats say so), bit-exact, across TP sizes."""
+    pkw, dkw = CASES["prefill TP2 -> decode TP1"]
+    opts = {"same_host": "cma"}
+    pcfg = make_cfg("prefill", "P", connector="ucx", data_path=path, data_plane=opts, **pkw)
+    dcfg = make_cfg("decode", "D", connector="ucx", data_path=path, data_plane=opts, **dkw)
+    blocks = P_BLOCKS[: -(-NTOK // pcfg.cache.block_size)]
+    with Producers(pcfg, [("req", blocks, NTOK)]) as prod:
+        [(status, stats, _)] = consume(dcfg, prod.params["req"], with_stats=True)
+        assert status == "ok", stats
+        assert stats["plane_cma_peers"] == 2, stats  # both prefill ranks
+        assert stats["plane_cma_one_sided_reads"] + stats["plane_cma_granted_reads"] >= 2, stats
+        assert prod.wait_released("req")
+
+
 def test_decode_side_may_know_the_request_by_another_id(conn: str) -> None:
     """Engines such as vLLM give each instance its own request ids: reads and done notices
     carry the producer's id from the params, bookkeeping the consumer's own."""

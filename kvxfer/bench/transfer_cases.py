@@ -47,6 +47,8 @@ class Conn(Protocol):
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "ucx-2s": ("ucx", {"reads": "two-sided"}, {}),
     "ucx-native": ("ucx", {"rma_progress": "native"}, {}),
+    # this host's producers read through the cma plane beside the ucx plane (same_host: cma)
+    "ucx-cma": ("ucx", {"same_host": "cma"}, {}),
     # every load through the transfer agent: what the engine's own small copies (engine_copy_bytes) change
     "cma-agent": ("cma", {}, {"engine_copy_bytes": 0}),
     # the engine's copies of 4 MiB and more let the GIL go (engine_copy_release_gil_bytes)

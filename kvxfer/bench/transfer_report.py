@@ -62,7 +62,7 @@ def nixl_comparisons(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         if r["kind"] != "connector":
             continue
-        same = SAME_WIRE.get(plane_of(r["connector"]))
+        same = SAME_WIRE.get(r["connector"], SAME_WIRE.get(plane_of(r["connector"])))
         for against, peer in (("same wire", same), ("NIXL's best", "nixl" if same != "nixl" else None)):
             n = peers.get((peer, r["pattern"], r["tokens"])) if peer else None
             if n is None:
