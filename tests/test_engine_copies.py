@@ -93,6 +93,26 @@ def test_a_small_load_is_copied_in_start_load_bit_exact_and_its_hold_released(pa
     assert c.poll(0.1).receiving == []  # each reported once
 
 
+def test_a_ucx_plane_with_same_host_cma_has_its_small_loads_copied_by_the_engine() -> None:
+    """``same_host: cma``: the ucx plane reads this host's producer with CMA, and the engine's
+    thread copies small loads from it as on the cma plane (the producer's ucx address carries
+    its cma address)."""
+    plane = {"same_host": "cma"}
+    p, pt = make(with_connector(cfg("prefill", "ucx", hold_wait_s=0.3), data_plane=plane), fill=1)
+    c, ct = make(with_connector(cfg("decode", "ucx", transfer_s=5.0, hold_wait_s=0.3), data_plane=plane))
+    try:
+        first_load(p, c)
+        c.start_load("small", p.hold("small", [3, 9], 32), [7, 8])
+        assert c.poll().receiving == ["small"], "copied in start_load: nothing to wait for"
+        assert same(pt, [3, 9], ct, [7, 8])
+        s = c.stats()
+        assert s["engine_copied_loads"] == 1 and s["plane_cma_peers"] == 1, s
+        assert released(p, ["first", "small"]) == ["first", "small"]
+    finally:
+        c.close()
+        p.close()
+
+
 @pytest.mark.parametrize("pair", [({"engine_copy_release_gil_bytes": 1}, {})], indirect=True)
 def test_a_large_load_is_copied_with_the_gil_released_and_the_short_switch_interval(pair: Pair) -> None:
     """A load of engine_copy_release_gil_bytes or more: copied in start_load bit-exact, the

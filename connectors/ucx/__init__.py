@@ -2,8 +2,9 @@
 
 UCX picks the transport (RDMA on InfiniBand/RoCE, TCP otherwise; on one host shared memory for
 messages and TCP loopback for gets, CMA being left out of the default ``UCX_TLS``, below; with
-``same_host: cma`` a producer on this host is read by kvxfer's cma plane instead, same_host.py). What makes it fast on these machines, measured: endpoints created from the
-peer's worker address (exchanged in the kvxfer handshake) with UCX error handling off,
+``same_host: cma`` a producer on this host is read by kvxfer's cma plane instead, same_host.py).
+What makes it fast on these machines, measured: endpoints created from the peer's worker
+address (exchanged in the kvxfer handshake) with UCX error handling off,
 and the worker progressed in ``blocking`` mode from an event loop (one 512 MiB message:
 12-17 GB/s, against 0.8-1.5 GB/s through a listener, where UCX turns error handling on
 and falls back to tcp). With error handling off UCX does not report a dead peer, so
@@ -94,6 +95,7 @@ from kvxfer.config import DataPlaneValue
 from kvxfer.dataplane import (
     BatchResult,
     Descriptors,
+    EngineReads,
     HostRegionPlane,
     MemoryRegion,
     ReadRefused,
@@ -108,7 +110,7 @@ from kvxfer.threads import NamedThread
 from .connecting import Connecting, Peer, Receiver, RmaReads
 from .rma import MemoryKey, UcxRmaError, map_region
 from .runtime import UcxRuntime
-from .same_host import SameHostReads, same_host_option
+from .same_host import SameHostEngineReads, SameHostReads, same_host_option
 from .serving import Serving
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, scatter_pieces
 from .wire import (
@@ -295,6 +297,18 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
 
     def counters(self) -> dict[str, float]:
         return self._same_host.counters() if self._same_host is not None else {}
+
+    @classmethod
+    def engine_reads(cls, options: Mapping[str, DataPlaneValue],
+                     regions: Sequence[MemoryRegion]) -> EngineReads | None:
+        """With ``same_host: cma``, the cma plane's: the engine's thread copies small loads from
+        this host's producers itself, as on the cma plane; else none."""
+        if same_host_option(options) != "cma":
+            return None
+        from kvxfer.connectors.cma import CmaDataPlane
+
+        cma = CmaDataPlane.engine_reads({}, regions)
+        return SameHostEngineReads(cma) if cma is not None else None
 
     # ------------------------------------------------------------------ consumer
     def read(self, peer_id: str, request_id: str, descriptors: Descriptors) -> int:

@@ -11,7 +11,8 @@ its ucx address, and a consumer reads a producer through the cma plane when the 
 read it (same boot id, and the kernel lets this process read that one: its one-byte probe),
 else over UCX. A producer that dies mid-read then fails the read with ESRCH, as on the cma
 plane. Each producer's choice is logged once, with the reason when it is UCX; the plane's
-counters say how many reads each way took (``cma_*``).
+counters say how many reads each way took (``cma_*``). The engine's own thread copies small
+loads from such producers as it does on the cma plane (``SameHostEngineReads``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 
+import msgspec
+
 from kvxfer.config import DataPlaneValue
-from kvxfer.dataplane import Descriptors
+from kvxfer.dataplane import BlockPieces, Descriptors, EngineReads
+
+from .wire import UcxAddress
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +92,37 @@ class SameHostReads:
 
     def counters(self) -> dict[str, float]:
         return {"cma_peers": len(self.peers), **{f"cma_{k}": v for k, v in self.plane.counters().items()}}
+
+
+class SameHostEngineReads(EngineReads):
+    """The cma plane's engine reads (the engine's thread copies a small load itself, beside its
+    agent) for the producers a ``same_host: cma`` ucx plane reads with CMA: each producer's ucx
+    address is opened at the cma address it carries. Threads: as :class:`EngineReads`."""
+
+    def __init__(self, cma: EngineReads) -> None:
+        self._cma = cma
+
+    def connect(self, peer_id: str, address: bytes) -> None:
+        try:
+            cma = msgspec.msgpack.decode(address, type=UcxAddress).cma
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
+        if cma is None:
+            raise ConnectionError(f"peer {peer_id} publishes no cma address (its same_host is ucx)")
+        self._cma.connect(peer_id, cma)
+
+    def disconnect(self, peer_id: str) -> None:
+        self._cma.disconnect(peer_id)
+
+    def connected(self, peer_id: str) -> bool:
+        return self._cma.connected(peer_id)
+
+    def read(self, request_id: str, reads: Sequence[tuple[str, Descriptors]]) -> bool:
+        return self._cma.read(request_id, reads)
+
+    def read_blocks(self, request_id: str, reads: Sequence[tuple[str, BlockPieces, Sequence[int], Sequence[int]]],
+                    release_gil: bool = False) -> bool:
+        return self._cma.read_blocks(request_id, reads, release_gil)
+
+    def close(self) -> None:
+        self._cma.close()
