@@ -216,6 +216,8 @@ def _listening(port: int) -> bool:
 
 
 def test_other_prefill_weights_change_the_output_and_a_killed_prefill_is_recomputed(pair: Pair) -> None:
+    if pair.dtype != "bfloat16":  # a third server per pair (37-61 s in CI); the fault path has no dtype in it
+        pytest.skip("run once per plane, on its bfloat16 pair")
     pm = free_port()
     other = VllmServer(pair.models[1], free_port(), "prefill", extra=extra(pair.plane, pm), dtype=pair.dtype, cpu="0",
                        log=pair.logs / "other-prefill.log")
