@@ -83,7 +83,7 @@ from .granted_reads import Awaited, GrantedReads
 from .grants import GrantServer
 from .mapped import RegionFile, copy_mapped, region_files
 from .memory import copy_from, iovecs
-from .peer import CmaAddress, Peer, Pieces, boot_id, open_peer, pieces, unmap
+from .peer import CmaAddress, Peer, Pieces, boot_id, open_peer, pid_namespace, pieces, unmap
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
             board_file = RegionFile(fd=self._board.fd, dev=dev, ino=ino, offset=0)
         return msgspec.msgpack.encode(CmaAddress(pid=os.getpid(), boot_id=boot_id(),
                                                  control=self._grant_server.address, regions=regions,
-                                                 strides=strides, board=board, files=files, board_file=board_file))
+                                                 strides=strides, board=board, files=files, board_file=board_file,
+                                                 pid_ns=pid_namespace()))
 
     def hold_changed(self, request_id: str, block_ids: np.ndarray | None) -> None:
         if self._board is None:

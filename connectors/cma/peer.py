@@ -9,6 +9,7 @@ once per region pattern.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,17 @@ def boot_id() -> str:
         return ""
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace ("device:inode" of /proc/self/ns/pid; "" where it cannot be
+    read): two containers on one host share the boot id, not the namespace, and the producer's
+    pid would name another process (or none) in the consumer's."""
+    try:
+        st = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 class CmaAddress(msgspec.Struct, frozen=True):
     pid: int
     boot_id: str  # another host's process with the same pid must not be read
@@ -46,6 +58,7 @@ class CmaAddress(msgspec.Struct, frozen=True):
     board: tuple[int, int] = (0, 0)  # the producer's hold board: (address, rows); (0, 0): none, ask for grants
     files: dict[int, RegionFile] = {}  # region id -> the shared-memory file it lies in (mapped.py)
     board_file: RegionFile | None = None  # the file the hold board lies in (offset 0); None: read it with peeks
+    pid_ns: str = ""  # the producer's pid namespace (pid_namespace); "": unknown, not checked
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,9 @@ def open_peer(peer_id: str, address: bytes, token: bytes, map_memory: bool) -> t
     if addr.boot_id != boot_id():
         raise ConnectionError(f"peer {peer_id} runs on another host: the cma data plane reads only on one "
                               f"host (use tcp or ucx)")
+    if addr.pid_ns and addr.pid_ns != (mine := pid_namespace()) and mine:
+        raise ConnectionError(f"peer {peer_id} runs in another pid namespace (a container of its own): its pid "
+                              f"{addr.pid} is not that process here; use tcp or ucx")
     if not addr.regions:
         raise ConnectionError(f"peer {peer_id} registered no regions")
     base, _length = next(iter(addr.regions.values()))

@@ -323,7 +323,8 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
         if not others:
             return self._same_host.plane.read_many(reads)
         ids = [0] * len(reads)
-        for positions, read in ((mine, self._same_host.plane.read_many), (others, self._read_many_ucx)):
+        # the UCX reads first: they are only queued, while the cma plane's copies run on this thread
+        for positions, read in ((others, self._read_many_ucx), (mine, self._same_host.plane.read_many)):
             for i, batch_id in zip(positions, read([reads[i] for i in positions]), strict=True):
                 ids[i] = batch_id
         return ids
