@@ -18,8 +18,9 @@ allowed them (the grant renews the hold's lease, so it cannot lapse mid-copy). L
 one-sided reads, either check is honoured by the consumer, not enforced by the kernel: the
 kernel lets a process read another only where it could ptrace it (same user, or
 CAP_SYS_PTRACE; Yama's ``ptrace_scope`` may narrow that), and such a process could read that
-memory anyway. ``connect`` probes one byte and says plainly when the kernel refuses (another
-host, another pid namespace, ptrace denied): use ``tcp`` or ``ucx`` there.
+memory anyway. ``connect`` refuses a producer on another host (boot id) or in another pid
+namespace (its pid would name another process here), then probes one byte and says plainly when
+the kernel refuses (ptrace denied): use ``tcp`` or ``ucx`` there.
 
 A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
