@@ -59,6 +59,21 @@ def test_a_producer_on_this_host_is_read_through_the_cma_plane() -> None:
         p.close()
 
 
+def test_the_producers_token_checker_guards_the_cma_planes_grants_too() -> None:
+    """The token checker set on the ucx plane reaches the cma plane beside it: a read that must ask
+    for a grant (not on the board) with a token the producer does not know is refused as AUTH."""
+    p = Pair(CMA, CMA)
+    try:
+        p.producer.set_token_checker(lambda token: token == b"secret")
+        p.holds.hold("a", [4], 16)
+        p.producer.hold_changed("a", None)  # off the board: the read asks the producer
+        [res] = read_many(p, [("a", [4], [0])])
+        assert not res.ok and res.code is ErrorCode.AUTH, res
+        assert not p.dst[:STRIDE].any()
+    finally:
+        p.close()
+
+
 def test_a_producer_without_the_option_is_read_over_ucx() -> None:
     p = Pair({}, CMA)
     try:
