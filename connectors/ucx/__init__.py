@@ -110,7 +110,7 @@ from kvxfer.threads import NamedThread
 from .connecting import Connecting, Peer, Receiver, RmaReads
 from .rma import MemoryKey, UcxRmaError, map_region
 from .runtime import UcxRuntime
-from .same_host import SameHostEngineReads, SameHostReads, same_host_option
+from .same_host import SameHostEngineReads, SameHostReads, cma_address_of, same_host_option
 from .serving import Serving
 from .staging import AddressSpace, StagingPool, chunk_ranges, chunk_sizes, scatter_pieces
 from .wire import (
@@ -256,14 +256,9 @@ class UcxDataPlane(Connecting, Serving, HostRegionPlane):
     def connect(self, peer_id: str, address: bytes, token: bytes = b"") -> None:
         """A producer this process can read with CMA goes to the cma plane beside this one
         (``same_host: cma``); any other is connected over UCX."""
-        if self._same_host is not None:
-            try:
-                cma = msgspec.msgpack.decode(address, type=UcxAddress).cma
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
-            if self._same_host.connect(peer_id, cma, token):
-                Connecting.disconnect(self, peer_id)  # read over UCX before (another address): no longer
-                return
+        if self._same_host is not None and self._same_host.connect(peer_id, cma_address_of(peer_id, address), token):
+            Connecting.disconnect(self, peer_id)  # read over UCX before (another address): no longer
+            return
         super().connect(peer_id, address, token)
 
     def disconnect(self, peer_id: str) -> None:

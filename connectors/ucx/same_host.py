@@ -42,6 +42,15 @@ def same_host_option(options: Mapping[str, DataPlaneValue]) -> str:
     return str(value)
 
 
+def cma_address_of(peer_id: str, address: bytes) -> bytes | None:
+    """The cma address a producer's ucx ``address`` carries (None: it runs without ``same_host:
+    cma``); raises ConnectionError naming a bad address."""
+    try:
+        return msgspec.msgpack.decode(address, type=UcxAddress).cma
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
+
+
 class SameHostReads:
     """The cma plane beside a ucx plane, and the producers read through it.
 
@@ -103,10 +112,7 @@ class SameHostEngineReads(EngineReads):
         self._cma = cma
 
     def connect(self, peer_id: str, address: bytes) -> None:
-        try:
-            cma = msgspec.msgpack.decode(address, type=UcxAddress).cma
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ConnectionError(f"peer {peer_id}: bad ucx address: {e}") from None
+        cma = cma_address_of(peer_id, address)
         if cma is None:
             raise ConnectionError(f"peer {peer_id} publishes no cma address (its same_host is ucx)")
         self._cma.connect(peer_id, cma)
