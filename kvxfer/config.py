@@ -290,6 +290,12 @@ class ConnectorConfig(Config, frozen=True):
     # small share of another server's core. ``any`` suits cores left free of workers, and more
     # spinning workers than cores (pinned there, agents starved). docs/vllm.md has the figures.
     agent_cpus: Literal["any", "engine"] = "any"
+    # The transfer agent's nice value (every thread of it), -20..19; 0 leaves it as the engine's.
+    # A negative value lets an agent's threads preempt a busy engine's when both want one core: a
+    # transfer then keeps its speed while the engine spins (docs/benchmarks.md has the figures). It
+    # needs CAP_SYS_NICE or an RLIMIT_NICE that allows it; without either the registration is
+    # refused by name, never run at a priority other than the one asked for.
+    agent_nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] = 0
     # A load of at most this many bytes (this rank's share), from producer ranks already known,
     # is planned and issued on the thread that calls start_load (the agent's, with a transfer
     # agent), and on cma copied there too: no hand-off to the worker thread. 0: every load goes

@@ -162,6 +162,10 @@ class Connector:
             from kvxfer.agent.client import AgentConnector
 
             return AgentConnector(config, rank)
+        if config.connector.agent_nice != 0:
+            raise ValueError(f"connector.agent_nice: {config.connector.agent_nice} sets a transfer agent's priority, "
+                             f"but this rank's data path runs in the engine's process (data_path: {where}, "
+                             f"plane {config.connector.name!r}); leave it 0 or use a transfer agent")
         c = cls.in_process(config, rank)
         # in the engine's process its transfer threads need the engine's GIL for every read, served
         # or made (kvxfer.switch_interval): the short interval while loads or holds are in flight

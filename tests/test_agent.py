@@ -32,6 +32,7 @@ from kvxfer.config import (
     ModelConfig,
     SideChannelConfig,
     TimeoutsConfig,
+    convert,
 )
 from kvxfer.connector import Connector, EngineConnector
 from kvxfer.protocol import ErrorCode
@@ -313,6 +314,69 @@ def test_an_agent_runs_on_its_engine_threads_cpus_without_its_openmp_binding(
         assert os.sched_getaffinity(0) == allowed, "the engine's other threads keep their CPUs"
     finally:
         conn.close()
+
+
+def _nice_of(pid: int) -> dict[int, int]:
+    """Every thread of ``pid``: its nice value (field 19 of its stat)."""
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/stat") as f:
+            out[int(t)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+def test_every_thread_of_an_agent_runs_at_its_agent_nice_and_the_engine_keeps_its_own() -> None:
+    """connector.agent_nice: the agent's threads, those started before the setting and after it,
+    all run at that nice value; the engine's process is left as it was. A positive value needs no
+    privilege, so this holds for any user."""
+    before = _nice_of(os.getpid())
+    c = cfg("decode", "tcp")
+    c = msgspec.structs.replace(c, connector=msgspec.structs.replace(c.connector, agent_nice=7))
+    conn, _ = make(c)
+    try:
+        assert isinstance(conn, AgentConnector) and conn.process is not None
+        nice = _nice_of(conn.process.pid)
+        assert len(nice) > 2 and set(nice.values()) == {7}, nice
+        assert set(_nice_of(os.getpid()).values()) == set(before.values())
+    finally:
+        conn.close()
+
+
+@pytest.mark.skipif(not Path("/usr/bin/setpriv").exists(), reason="needs setpriv (util-linux) to drop CAP_SYS_NICE")
+def test_an_agent_nice_the_kernel_refuses_fails_the_registration_by_name(tmp_path: Path) -> None:
+    """A negative agent_nice without CAP_SYS_NICE (dropped here from the bounding set, so root
+    loses it too) and with RLIMIT_NICE at 0: register_kv_caches raises a ValueError that names
+    the option, and no agent is left running."""
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, resource, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import msgspec
+        from test_agent import cfg, make
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+        c = cfg("decode", "tcp")
+        c = msgspec.structs.replace(c, connector=msgspec.structs.replace(c.connector, agent_nice=-5))
+        try:
+            make(c)
+        except ValueError as e:
+            print("REFUSED", e)
+            sys.exit(0)
+        print("STARTED")
+        sys.exit(1)
+    """))
+    out = subprocess.run(["/usr/bin/setpriv", "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice",
+                          sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "connector.agent_nice: -5" in out.stdout and "RLIMIT_NICE" in out.stdout, out.stdout
+
+
+def test_agent_nice_out_of_range_or_without_an_agent_is_refused_by_name() -> None:
+    with pytest.raises(Exception, match=r"connector\.agent_nice"):
+        convert({"role": "decode", "engine_id": "x", "connector": {"agent_nice": -21}}, InstanceConfig)
+    c = cfg("decode", "tcp", data_path="engine")
+    c = msgspec.structs.replace(c, connector=msgspec.structs.replace(c.connector, agent_nice=-5))
+    with pytest.raises(ValueError, match=r"connector\.agent_nice: -5 .*data_path: engine"):
+        Connector.from_config(c)
 
 
 def test_where_the_data_path_runs_is_chosen_by_config() -> None:

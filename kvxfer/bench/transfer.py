@@ -567,7 +567,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "rma_progress: native (in an agent its default is adaptive); cma-agent: the cma plane with "
                          "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
                          "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "
-                         "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight)")
+                         "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight); "
+                         "tcp-nice, ucx-nice, cma-nice, ucx-cma-nice: agent_nice: -10 (the transfer agents preempt a "
+                         "spinning engine)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
     ap.add_argument("--peers", action="store_true",

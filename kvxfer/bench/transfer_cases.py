@@ -28,6 +28,7 @@ TOKENS = [16, 64, 256, 1024, 4096, 8192]
 BLOCK = 16
 RAW_TAG = 0x7A11_0000_0000_0001
 INFLIGHT = 64
+NICE = -10  # the *-nice rows' connector.agent_nice
 
 
 class Conn(Protocol):
@@ -56,6 +57,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # the interpreter's own switch interval kept while loads are in flight (gil_switch_interval_s: 0):
     # what the short one buys when the engine's Python is busy (--busy-engine)
     **{f"{p}-noswitch": (p, {}, {"gil_switch_interval_s": 0.0}) for p in ("tcp", "ucx", "cma")},
+    # the transfer agents at nice -10 (connector.agent_nice): they preempt a spinning engine for a core
+    **{f"{p}-nice": (p, {}, {"agent_nice": NICE}) for p in ("tcp", "ucx", "cma")},
+    "ucx-cma-nice": ("ucx", {"same_host": "cma"}, {"agent_nice": NICE}),
 }
 
 
