@@ -187,7 +187,7 @@ def _stages(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
              logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1"), busy_decode: int = 0,
              busy_prompts: list[list[int]] | None = None, busy_output: int = 128,
-             agent_cpus: str | None = None) -> dict[str, Any]:
+             agent_cpus: str | None = None, agent_nice: int = 0) -> dict[str, Any]:
     """One connector's row: its servers, the warm-up, the idle phase and (``busy_decode`` > 0) the
     busy phase over ``busy_prompts``."""
     kind = "nixl" if connector in NIXL_TLS else "kvxfer"
@@ -197,7 +197,8 @@ def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int,
     if kind == "kvxfer":
         name, plane = KVXFER_PLANES.get(connector, (connector.split("-", 1)[1], {}))
         extra = {"connector": {"name": name, **({"data_plane": plane} if plane else {}),
-                               **({"agent_cpus": agent_cpus} if agent_cpus else {})}, "metrics_port": mport}
+                               **({"agent_cpus": agent_cpus} if agent_cpus else {}),
+                               **({"agent_nice": agent_nice} if agent_nice else {})}, "metrics_port": mport}
     busy_prompts = busy_prompts or []
     length = max(1024, max(len(q) for q in prompts + busy_prompts) + output + 1,
                  BUSY_PROMPT_TOKENS + busy_output + 1)
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-cpus", choices=["any", "engine"], default=None,
                     help="kvxfer's connector.agent_cpus: 'engine' keeps each transfer agent on its worker's core "
                          "(default: the connector's default, any)")
+    ap.add_argument("--agent-nice", type=int, default=0, metavar="N",
+                    help="kvxfer's connector.agent_nice: each transfer agent's nice value (-10: its threads preempt "
+                         "its worker's busy ones; needs CAP_SYS_NICE); default 0")
     ap.add_argument("--busy-decode", type=int, default=0, metavar="N",
                     help="also measure the requests again while N other requests keep the decode server decoding "
                          f"(1 to {MAX_NUM_SEQS - 1}; 0: idle only)")
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work,
                                  cpus,  # type: ignore[arg-type]
-                                 args.busy_decode, busy_prompts, args.busy_output, args.agent_cpus))
+                                 args.busy_decode, busy_prompts, args.busy_output, args.agent_cpus, args.agent_nice))
         except (TimeoutError, OSError, RuntimeError) as e:  # one pair's failure (NIXL's engine died here once)
             missing[c] = f"failed: {type(e).__name__}: {e} (its servers' logs: {work}/{c}-*.log)"
             print(f"{c}: {missing[c]}", file=sys.stderr)
@@ -316,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    if dflt and "busy" in dflt else None)
     agent_cpus = args.agent_cpus or ConnectorConfig().agent_cpus
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
-          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}, kvxfer agent_cpus: {agent_cpus}; "
+          f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}, kvxfer agent_cpus: {agent_cpus}, "
+          f"agent_nice: {args.agent_nice}; "
           "baseline NixlConnector on the same transports (column 'vs'), same run")
     _table(rows, any(r["nixl_baseline"] for r in rows))
     for c, why in missing.items():
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": str(model), "prompt_tokens": args.prompt_tokens,
-                                         "dtype": args.dtype, "agent_cpus": agent_cpus, "rows": rows,
+                                         "dtype": args.dtype, "agent_cpus": agent_cpus,
+                                         "agent_nice": args.agent_nice, "rows": rows,
                                          "missing": missing}, indent=2))
         print(f"wrote {args.json}")
     if args.plot and rows:
