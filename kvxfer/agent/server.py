@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
 import sys
 import threading
@@ -55,6 +54,7 @@ from kvxfer.agent.messages import (
     Stats,
     Wait,
 )
+from kvxfer.agent.priority import set_nice
 from kvxfer.agent.shared import map_cache
 from kvxfer.cache.spec import spec_from_config
 from kvxfer.config import InstanceConfig, convert
@@ -393,30 +393,6 @@ def in_agent() -> bool:
     """Whether this process is a transfer agent, whose only Python is kvxfer's (planes may then
     spend its GIL on progress threads an engine's process could not give them)."""
     return _IN_AGENT
-
-
-def set_nice(nice: int) -> None:
-    """Give every thread of this process the nice value ``nice`` (``connector.agent_nice``).
-
-    Linux keeps a nice value per thread and a new thread takes its creator's, so the threads
-    started before this call (imports may start some) are set one by one and every later one
-    inherits it. Refused (no CAP_SYS_NICE, RLIMIT_NICE too low): ValueError naming the option.
-    """
-    if nice == 0:
-        return
-    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:
-            continue  # that thread ended meanwhile
-        except PermissionError:
-            soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-            raise ValueError(
-                f"connector.agent_nice: {nice} is refused by the kernel: a nice value below the engine's needs "
-                f"CAP_SYS_NICE or RLIMIT_NICE >= {20 - nice} (this process has {soft}); grant one, or set "
-                "agent_nice to 0") from None
-    logger.info("transfer agent: nice %d on %d threads", nice, len(tids))
 
 
 def main(argv: list[str]) -> int:

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxfer.agent.priority import nice_refusal
 from kvxfer.bench import peers as peer_mod
 from kvxfer.bench.transfer_cases import (
     BLOCK,
@@ -101,8 +102,12 @@ from kvxfer.transfer.planner import SideLayout, plan_direct
 
 def _unusable(name: str, data_path: str | None) -> str | None:
     """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
+    cfg = make_cfg("decode", name, 1, data_path)
+    why = nice_refusal(cfg.connector.agent_nice) if cfg.connector.agent_nice else None
+    if why is not None:
+        return why
     try:
-        Connector.from_config(make_cfg("decode", name, 1, data_path)).close()
+        Connector.from_config(cfg).close()
     except Exception as e:
         hint = " (pip install 'kvxfer[ucx]')" if plane_of(name) == "ucx" else ""
         return f"cannot start: {type(e).__name__}: {e}{hint}"
