@@ -290,7 +290,8 @@ class ConnectorConfig(Config, frozen=True):
     # small share of another server's core. ``any`` suits cores left free of workers, and more
     # spinning workers than cores (pinned there, agents starved). docs/vllm.md has the figures.
     agent_cpus: Literal["any", "engine"] = "any"
-    # The transfer agent's nice value (every thread of it), -20..19; 0 leaves it as the engine's.
+    # The transfer agent's nice value (every thread of it), -20..19; 0 leaves it as the engine's
+    # (an absolute value otherwise, not one relative to the engine's).
     # A negative value lets an agent's threads preempt a busy engine's when both want one core: a
     # transfer then keeps its speed while the engine spins (docs/benchmarks.md has the figures). It
     # needs CAP_SYS_NICE or an RLIMIT_NICE that allows it; without either the registration is
