@@ -15,7 +15,9 @@ Modes: ``memcpy`` (the consumer copies the pieces within its own memory: the flo
 plane's way, raw: a request message, the producer's Python gathers the pieces with numpy into a
 staging buffer and sends it as one tag message, the consumer scatters it), ``rma`` (one get per
 piece, one endpoint flush; the producer's worker has a native progress thread, blocking mode).
-Bytes are checked after every round. Prints a table, writes JSON.
+Bytes are checked after every round. Each row also has each process's CPU per load (user + system,
+all threads: the consumer's includes its polling while it waits, a spinning producer's includes the
+spinner; read the idle rows for what a load costs). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -201,6 +203,13 @@ class Consumer:
         return times
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, all its threads (a spinning thread's included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _p50s(rows: list[dict[str, Any]], producer: str, blocks: int, mode: str) -> list[float]:
     return [x["p50_us"] for x in rows if (x["producer"], x["blocks"], x["mode"]) == (producer, blocks, mode)]
 
@@ -237,14 +246,19 @@ def main(argv: list[str] | None = None) -> int:
                 c.command("spin" if busy == "spin" else "idle")
                 for blocks in a.blocks:
                     for mode in a.modes:
+                        cpu0 = (time.process_time(), process_cpu_s(proc.pid))
                         t = np.array(c.round(mode, blocks, a.loads, rng))
+                        cpu = [(time.process_time() - cpu0[0]) * 1e6 / a.loads,
+                               (process_cpu_s(proc.pid) - cpu0[1]) * 1e6 / a.loads]
                         nbytes = blocks * a.pieces * PIECE
                         row = {"round": r, "producer": busy, "mode": mode, "blocks": blocks, "bytes": nbytes,
                                "p50_us": float(np.median(t) * 1e6), "p90_us": float(np.percentile(t, 90) * 1e6),
-                               "mean_us": float(t.mean() * 1e6), "gbps_p50": nbytes / float(np.median(t)) / 1e9}
+                               "mean_us": float(t.mean() * 1e6), "gbps_p50": nbytes / float(np.median(t)) / 1e9,
+                               "consumer_cpu_us_per_load": cpu[0], "producer_cpu_us_per_load": cpu[1]}
                         rows.append(row)
                         print(f"round {r} producer {busy:4} {blocks:2} block(s) {mode:6} p50 {row['p50_us']:8.0f} us "
-                              f"p90 {row['p90_us']:8.0f} us  {row['gbps_p50']:6.2f} GB/s", flush=True)
+                              f"p90 {row['p90_us']:8.0f} us  {row['gbps_p50']:6.2f} GB/s  cpu per load: consumer "
+                              f"{cpu[0]:6.0f} us, producer {cpu[1]:6.0f} us", flush=True)
                 if hog is not None:
                     hog.kill()
                     hog.wait(10)

@@ -52,6 +52,8 @@ def cfg(role: str, plane: str = "tcp", transfer_s: float = 10.0, hold_wait_s: fl
         connector=ConnectorConfig(
             name=plane, side_channel=SideChannelConfig(host="127.0.0.1", port=0), data_path=data_path,
             host_staging=host_staging, gil_switch_interval_s=gil_switch_interval_s,
+            # the ucx plane on UCX's own wire (its default reads this host's producers with CMA)
+            data_plane={"same_host": "ucx"} if plane == "ucx" else {},
             timeouts=TimeoutsConfig(handshake_s=5.0, handshake_retries=1, transfer_s=transfer_s,
                                     hold_wait_s=hold_wait_s)),
     )

@@ -309,7 +309,10 @@ def test_a_bench_variant_row_runs_its_plane_with_the_variants_options() -> None:
     plain = make_cfg("decode", "ucx", 8)
     assert (plain.connector.name, dict(plain.connector.data_plane)) == ("ucx", {})
     native = make_cfg("prefill", "ucx-native", 8)  # the producer's RMA workers on ucxx's native threads
-    assert (native.connector.name, dict(native.connector.data_plane)) == ("ucx", {"rma_progress": "native"})
+    assert (native.connector.name, dict(native.connector.data_plane)) == ("ucx", {"rma_progress": "native",
+                                                                                  "same_host": "ucx"})
+    wire = make_cfg("decode", "ucx-nocma", 8)  # UCX's own wire on this host too (the default reads it with CMA)
+    assert (wire.connector.name, dict(wire.connector.data_plane)) == ("ucx", {"same_host": "ucx"})
 
 
 _BURN = """
@@ -344,18 +347,19 @@ def test_session_cpu_counts_the_cpu_of_a_sessions_processes_and_no_other_session
 
 
 def test_the_vllm_bench_sets_each_kvxfer_plane_against_nixl_on_its_own_transports() -> None:
-    """The ucx plane leaves CMA out (connectors/ucx DEFAULT_TLS), and vLLM's documented NIXL setting
-    (``sm``) reads with CMA on one host: kvxfer-ucx meets NIXL without CMA when that row ran, and
-    falls back to ``nixl`` (named in the table's ``vs`` column) only when it did not."""
+    """vLLM's documented NIXL setting (``sm``) reads with CMA on one host, as the ucx plane does by
+    default (same_host: cma): kvxfer-ucx meets ``nixl``. The rows on UCX's own wire (same_host: ucx,
+    CMA out of UCX_TLS: connectors/ucx DEFAULT_TLS) meet NIXL without CMA when that row ran, and
+    fall back to ``nixl`` (named in the table's ``vs`` column) only when it did not."""
     from kvxfer.connectors.ucx import DEFAULT_TLS
 
     from kvxfer.bench.vllm import NIXL_TLS, baseline_of
 
     assert NIXL_TLS["nixl-nocma"] == DEFAULT_TLS and "cma" not in NIXL_TLS["nixl-tcp"]
     ran = {"nixl", "nixl-cma", "nixl-nocma", "nixl-tcp"}
-    rows = ("kvxfer-ucx", "kvxfer-ucx-2s", "kvxfer-ucx-cma", "kvxfer-cma", "kvxfer-tcp")
+    rows = ("kvxfer-ucx", "kvxfer-ucx-nocma", "kvxfer-ucx-2s", "kvxfer-cma", "kvxfer-tcp")
     assert {c: baseline_of(c, ran) for c in rows} == {
-        "kvxfer-ucx": "nixl-nocma", "kvxfer-ucx-2s": "nixl-nocma", "kvxfer-ucx-cma": "nixl",  # same_host: cma
+        "kvxfer-ucx": "nixl", "kvxfer-ucx-nocma": "nixl-nocma", "kvxfer-ucx-2s": "nixl-nocma",
         "kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp"}
-    assert baseline_of("kvxfer-ucx", {"nixl", "nixl-cma"}) == "nixl"
-    assert baseline_of("kvxfer-ucx", {"nixl-tcp"}) is None
+    assert baseline_of("kvxfer-ucx-nocma", {"nixl", "nixl-cma"}) == "nixl"
+    assert baseline_of("kvxfer-ucx-nocma", {"nixl-tcp"}) is None

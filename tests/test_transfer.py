@@ -51,8 +51,16 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
              mla: bool = False, head_size: int = 16, lease_s: float = 30.0, transfer_s: float = 20.0,
              secret_env: str | None = None, connector: str = "tcp", num_blocks: int = 128,
              host_staging: str = "auto", kv_fused: bool = False, fused_order: str = "", hold_wait_s: float = 1.0,
-             data_path: str = DATA_PATH, data_plane: dict[str, Any] | None = None) -> InstanceConfig:
+             data_path: str = DATA_PATH, data_plane: dict[str, Any] | None = None,
+             ucx_same_host: str | None = "ucx") -> InstanceConfig:
+    """``ucx_same_host``: the ucx plane's ``same_host`` when ``data_plane`` does not set it. These tests
+    run the ucx plane on UCX's own wire (``ucx``) unless they say otherwise: its default (``cma``,
+    None here) reads a producer on this host through the cma plane beside it, which the cma rows
+    and tests/test_ucx_same_host.py cover."""
     heads = 1 if mla else 4
+    data_plane = dict(data_plane or {})
+    if connector == "ucx" and ucx_same_host is not None and data_plane.get("reads") != "two-sided":
+        data_plane.setdefault("same_host", ucx_same_host)
     return InstanceConfig(
         role=role, engine_id=engine,
         model=ModelConfig(num_layers=4, num_kv_heads=heads, num_heads=8, head_size=head_size, mla=mla),
@@ -64,7 +72,7 @@ def make_cfg(role: str, engine: str, *, tp: int = 1, pp: int = 1, layout: str = 
             timeouts=TimeoutsConfig(handshake_s=2.0, handshake_retries=1, transfer_s=transfer_s, lease_s=lease_s,
                                     abort_s=max(600.0, transfer_s), hold_wait_s=hold_wait_s),
             auth=AuthConfig(secret_env=secret_env) if secret_env else None,
-            host_staging=host_staging, data_path=data_path, data_plane=data_plane or {},
+            host_staging=host_staging, data_path=data_path, data_plane=data_plane,
         ),
     )
 

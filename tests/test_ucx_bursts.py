@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,14 +30,20 @@ from kvxfer.protocol import ErrorCode
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
 
+UCX_WIRE = {"same_host": "ucx"}  # every producer over UCX, this host's too (the default reads it with CMA)
+
 
 class Pair(CmaPair):
     """test_hold_board's pair with ucx planes: a producer and a consumer in this process, the
     producer's holds in a registry, the requests it serves counted (their parts)."""
 
-    def __init__(self, options: dict[str, int] | None = None) -> None:  # not super's: it makes cma planes
+    def __init__(self, options: dict[str, Any] | None = None, ucx_wire: bool = True) -> None:  # not super's
         self.src = np.random.default_rng(1).integers(0, 255, NB * STRIDE, dtype=np.uint8)
         self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
+        # UCX's own wire (``ucx_wire``) unless the options say otherwise: the default reads this host's
+        # producer with CMA (tests/test_ucx_same_host.py)
+        if ucx_wire and (options or {}).get("reads") != "two-sided":
+            options = {**UCX_WIRE, **(options or {})}
         self.producer, self.consumer = UcxDataPlane(options), UcxDataPlane(options)
         self.producer.register([region(0, self.src)])
         self.consumer.register([region(0, self.dst)])
@@ -114,7 +121,7 @@ def test_reads_option_refuses_a_bad_value_and_a_one_sided_consumer_refuses_a_two
     with pytest.raises(ValueError, match=r"data_plane\.reads: expected one-sided or two-sided, got 'sideways'"):
         UcxDataPlane({"reads": "sideways"})
     src = np.zeros(NB * STRIDE, dtype=np.uint8)
-    producer, consumer = UcxDataPlane({"reads": "two-sided"}), UcxDataPlane({"reads": "one-sided"})
+    producer, consumer = UcxDataPlane({"reads": "two-sided"}), UcxDataPlane({"reads": "one-sided", **UCX_WIRE})
     try:
         producer.register([region(0, src)])
         with pytest.raises(ConnectionError, match=r"offers no one-sided ucx reads.*reads: two-sided"):
@@ -138,7 +145,7 @@ def test_each_one_sided_consumer_gets_an_rma_worker_of_its_own_and_dropping_the_
     in the producer's answer to its hello, and the producer stops it when the consumer drops it."""
     p = Pair({"reads": "one-sided"})
     dst = np.zeros(NB * STRIDE, dtype=np.uint8)
-    other = UcxDataPlane({"reads": "one-sided"})
+    other = UcxDataPlane({"reads": "one-sided", **UCX_WIRE})
     try:
         other.register([region(0, dst)])
         other.connect("p", p.producer.address())
@@ -169,7 +176,8 @@ def test_a_one_sided_hello_without_a_valid_token_is_refused_at_once_by_code() ->
     """The producer answers a one-sided hello it refuses (the consumer waits for that answer): the
     connect fails at once with the code, not at the plane's timeout."""
     src = np.zeros(NB * STRIDE, dtype=np.uint8)
-    producer, consumer = UcxDataPlane({"reads": "one-sided"}), UcxDataPlane({"reads": "one-sided", "timeout_s": 20})
+    producer, consumer = (UcxDataPlane({"reads": "one-sided", **UCX_WIRE}),
+                          UcxDataPlane({"reads": "one-sided", "timeout_s": 20, **UCX_WIRE}))
     try:
         producer.register([region(0, src)])
         producer.set_token_checker(lambda token: token == b"good")
@@ -215,7 +223,7 @@ def test_a_connect_the_producer_never_answers_times_out_naming_its_step_and_leav
     from kvxfer.connectors.ucx.wire import UcxAddress
 
     src = np.zeros(NB * STRIDE, dtype=np.uint8)
-    producer, consumer = UcxDataPlane(), UcxDataPlane({"timeout_s": 1.5})
+    producer, consumer = UcxDataPlane(UCX_WIRE), UcxDataPlane({"timeout_s": 1.5, **UCX_WIRE})
     silent = zmq.Context.instance().socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     try:
@@ -270,7 +278,7 @@ def test_a_connect_whose_rma_wire_up_stalls_times_out_naming_that_step_and_retir
     from ucxx._lib import libucxx as ux
 
     src = np.zeros(NB * STRIDE, dtype=np.uint8)
-    producer, consumer = UcxDataPlane(), UcxDataPlane({"timeout_s": 1.5})
+    producer, consumer = UcxDataPlane(UCX_WIRE), UcxDataPlane({"timeout_s": 1.5, **UCX_WIRE})
     stuck = ux.UCXWorker(producer.rt._context(), enable_delayed_submission=False, enable_python_future=False)
     fake = zmq.Context.instance().socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)

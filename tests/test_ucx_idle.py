@@ -33,7 +33,7 @@ def _cpu_share(seconds: float) -> float:
 
 
 def _producer(conn: Any) -> None:
-    c = Connector.from_config(make_cfg("prefill", "ucx", 40))
+    c = Connector.from_config(make_cfg("prefill", "ucx-nocma", 40))  # UCX's own wire (same_host: ucx)
     c.register_kv_caches(bench_cache(40, fill=True))
     conn.send(c.hold("r1", list(range(8)), 128).to_bytes())
     conn.recv()  # the consumer has loaded it
@@ -47,7 +47,7 @@ def test_ucx_planes_do_not_spin_after_a_transfer() -> None:
     pipe, child = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(child,), daemon=True)
     proc.start()
-    c = Connector.from_config(make_cfg("decode", "ucx", 40))
+    c = Connector.from_config(make_cfg("decode", "ucx-nocma", 40))
     cache = bench_cache(40, fill=False)
     c.register_kv_caches(cache)
     try:

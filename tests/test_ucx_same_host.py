@@ -1,12 +1,13 @@
-"""ucx with ``same_host: cma``: the producers on this host are read through the cma plane beside
-the ucx plane, the others over UCX.
+"""ucx with ``same_host: cma`` (its default with one-sided reads): the producers on this host are
+read through the cma plane beside the ucx plane, the others over UCX.
 
 Real planes (UCX and process_vm_readv), the producer's reads checked by a real HoldRegistry.
 Checked: a held read arrives bit-exact through the cma plane with no UCX request served; a read
-of blocks not held is refused by name and writes nothing; a producer without the option is read
+of blocks not held is refused by name and writes nothing; a producer with ``same_host: ucx`` is read
 over UCX; one burst to a producer of each kind gets every read back under its own batch id; a
 producer killed before the read fails it as a lost peer, and this process lives on (UCX with
-CMA in UCX_TLS would abort it); a bad value is refused by name.
+CMA in UCX_TLS would abort it); a bad value is refused by name. The default: ``cma`` with one-sided
+reads, ``ucx`` with two-sided ones, which refuse ``cma``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from test_ucx_bursts import Pair as UcxPair
 from kvxfer.protocol import ErrorCode
 
 CMA = {"same_host": "cma"}
+UCX_WIRE = {"same_host": "ucx"}  # every producer over UCX
 
 
 class Pair(UcxPair):
     """test_ucx_bursts' pair; the producer's holds also published where its cma plane shows them."""
 
     def __init__(self, producer: dict[str, Any], consumer: dict[str, Any]) -> None:
-        super().__init__(producer)
+        super().__init__(producer, ucx_wire=False)
         self.consumer.close()  # super's consumer has the producer's options: one of the consumer's own
         self.consumer = UcxDataPlane(consumer)
         self.consumer.register([region(0, self.dst)])
@@ -74,8 +76,8 @@ def test_the_producers_token_checker_guards_the_cma_planes_grants_too() -> None:
         p.close()
 
 
-def test_a_producer_without_the_option_is_read_over_ucx() -> None:
-    p = Pair({}, CMA)
+def test_a_producer_on_ucx_s_own_wire_is_read_over_ucx() -> None:
+    p = Pair(UCX_WIRE, CMA)
     try:
         p.holds.hold("a", [2], 16)
         [res] = read_many(p, [("a", [2], [7])])
@@ -88,7 +90,7 @@ def test_a_producer_without_the_option_is_read_over_ucx() -> None:
 
 def test_one_burst_to_a_cma_producer_and_a_ucx_producer() -> None:
     p = Pair(CMA, CMA)
-    other = Pair({}, {})  # its producer serves over UCX only
+    other = Pair(UCX_WIRE, UCX_WIRE)  # its producer serves over UCX only
     try:
         p.consumer.connect("q", other.producer.address())
         p.holds.hold("a", [1, 2], 32)
@@ -160,7 +162,7 @@ def test_a_producer_in_another_pid_namespace_is_read_over_ucx_not_by_its_pid_her
     from kvxfer.connectors.cma.peer import CmaAddress, open_peer
     from kvxfer.connectors.ucx.wire import UcxAddress
 
-    p = Pair(CMA, {})
+    p = Pair(CMA, UCX_WIRE)
     try:
         addr = msgspec.msgpack.decode(p.producer.address(), type=UcxAddress)
         assert addr.cma is not None
@@ -181,3 +183,33 @@ def test_a_producer_in_another_pid_namespace_is_read_over_ucx_not_by_its_pid_her
 def test_a_bad_same_host_value_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"data_plane\.same_host: expected ucx or cma, got 'shm'"):
         UcxDataPlane({"same_host": "shm"})
+
+
+def test_one_sided_planes_read_this_hosts_producer_with_cma_by_default() -> None:
+    """No option on either side: the default (one-sided reads) is ``same_host: cma``."""
+    p = Pair({}, {})
+    try:
+        p.holds.hold("a", [6], 16)
+        [res] = read_many(p, [("a", [6], [2])])
+        assert res.ok and p.arrived([6], [2]) and p.served == []
+        assert p.consumer.counters()["cma_peers"] == 1
+    finally:
+        p.close()
+
+
+def test_two_sided_reads_keep_ucx_and_refuse_cma_by_name() -> None:
+    """A two-sided producer serves every byte itself: it publishes no cma address by default, and
+    ``same_host: cma`` beside ``reads: two-sided`` is refused, naming both."""
+    import msgspec
+    from kvxfer.connectors.ucx.wire import UcxAddress
+
+    with pytest.raises(ValueError, match=r"data_plane\.same_host: cma .* reads: two-sided rules out"):
+        UcxDataPlane({"reads": "two-sided", "same_host": "cma"})
+    plane = UcxDataPlane({"reads": "two-sided"})
+    try:
+        plane.register([region(0, np.zeros(NB * STRIDE, dtype=np.uint8))])
+        addr = msgspec.msgpack.decode(plane.address(), type=UcxAddress)
+        assert addr.cma is None and not addr.one_sided
+        assert UcxDataPlane.engine_reads({"reads": "two-sided"}, []) is None
+    finally:
+        plane.close()

@@ -1,7 +1,8 @@
 """A real vLLM prefill server and a real vLLM decode server, connected by KvxferConnector.
 
 Tiny random-weight Llama written locally (nothing downloaded), one core per server. For each
-data plane (tcp, ucx) and KV dtype (bfloat16, float32):
+data plane (tcp, ucx, cma) and KV dtype (bfloat16, float32); ``ucx-nocma`` is the ucx plane on UCX's own
+wire (same_host: ucx), ``ucx`` its default, which reads this host's producer with CMA:
 - decode output equals the decode server's own local computation, token for token, through
   the launcher and through the example proxy;
 - vLLM's metrics count the prompts as external tokens and kvxfer's count the exact bytes, no
@@ -102,12 +103,16 @@ class Pair:
 
 
 def extra(plane: str, metrics_port: int) -> dict[str, object]:
-    """kv_connector_extra_config: short handshake timeouts, kvxfer's own metrics endpoint."""
-    return {"connector": {"name": plane, "timeouts": {"handshake_s": 2.0, "transfer_s": 20.0}},
-            "metrics_port": metrics_port}
+    """kv_connector_extra_config: short handshake timeouts, kvxfer's own metrics endpoint. ``ucx-nocma``:
+    the ucx plane with same_host: ucx (UCX's own wire on this host too)."""
+    connector: dict[str, object] = {"name": plane, "timeouts": {"handshake_s": 2.0, "transfer_s": 20.0}}
+    if plane == "ucx-nocma":
+        connector.update(name="ucx", data_plane={"same_host": "ucx"})
+    return {"connector": connector, "metrics_port": metrics_port}
 
 
-PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx", "bfloat16"), ("ucx", "float32"), ("cma", "bfloat16")]
+# the kill case runs on each plane's bfloat16 pair: UCX's own wire gets it, the ucx default reads with CMA as cma does
+PAIRS = [("tcp", "bfloat16"), ("tcp", "float32"), ("ucx-nocma", "bfloat16"), ("ucx", "float32"), ("cma", "bfloat16")]
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"{p}-{d}" for p, d in PAIRS])

@@ -1,8 +1,9 @@
 """The ``ucx`` data plane: reads over UCX through the ``ucxx`` package, one-sided by default.
 
-UCX picks the transport (RDMA on InfiniBand/RoCE, TCP otherwise; on one host shared memory for
-messages and TCP loopback for gets, CMA being left out of the default ``UCX_TLS``, below; with
-``same_host: cma`` a producer on this host is read by kvxfer's cma plane instead, same_host.py).
+UCX picks the transport (RDMA on InfiniBand/RoCE, TCP otherwise; on one host shared memory, CMA
+being left out of the default ``UCX_TLS``, below). A producer on this host is read by kvxfer's
+cma plane instead (``same_host: cma``, the default with one-sided reads: one copy, made by the
+reader, where UCX's own same-host gets are two copies in two processes; same_host.py).
 What makes it fast on these machines, measured: endpoints created from the peer's worker
 address (exchanged in the kvxfer handshake) with UCX error handling off,
 and the worker progressed in ``blocking`` mode from an event loop (one 512 MiB message:
@@ -72,8 +73,9 @@ socket listens; default the side channel's host), ``reads`` (one-sided or two-si
 ``rma_progress`` (how a producer's RMA workers are progressed: ``native``, ucxx's thread, no
 GIL, the default; ``adaptive``, a Python thread that polls for 1 ms after each event; ``auto``:
 adaptive in a transfer agent, native in an engine's process; see rma_progress.py), ``same_host``
-(``ucx``, the default, or ``cma``: producers on this host read through a cma plane beside this one,
-as UCX itself would with CMA allowed; both sides set it; same_host.py).
+(``cma``, the default with one-sided reads: producers on this host read through a cma plane beside
+this one, as UCX itself would with CMA allowed; ``ucx``: every producer over UCX, the default with
+``reads: two-sided``, which refuses ``cma``; same_host.py).
 """
 
 from __future__ import annotations

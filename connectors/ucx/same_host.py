@@ -1,4 +1,5 @@
-"""``same_host: cma``: a ucx plane reads the producers on its own host with CMA.
+"""``same_host: cma`` (the default with one-sided reads): a ucx plane reads the producers on its
+own host with CMA.
 
 On one host UCX itself reads with CMA (``process_vm_readv``) when ``UCX_TLS`` lets it: vLLM's
 documented NixlConnector setting (``sm,self,tcp``) does, since ``sm`` names CMA too. The ucx
@@ -13,6 +14,16 @@ else over UCX. A producer that dies mid-read then fails the read with ESRCH, as 
 plane. Each producer's choice is logged once, with the reason when it is UCX; the plane's
 counters say how many reads each way took (``cma_*``). The engine's own thread copies small
 loads from such producers as it does on the cma plane (``SameHostEngineReads``).
+
+Why it is the default (issue 16, session 31): without CMA, UCX serves a same-host get by software
+emulation over shared memory: the producer's progress thread copies every byte into the
+consumer's FIFO and the consumer copies it out, two full copies in two processes (raw ucxx, 16 MiB
+as 512 x 32 KiB: 2.6 ms of the producer's CPU and the consumer's polling for a 2.9 ms load;
+``benchmarks/ucx_rma.py`` prints the CPU per load). With one of two cores taken by an engine's
+spinning thread the two copies run one after the other, and the load takes twice as long, raw
+ucxx too (busy/idle 0.47-0.61). CMA is one copy, made by the reader. Across hosts UCX reads over
+RDMA (the NIC copies) or TCP, as before. ``reads: two-sided`` keeps ``ucx``: a two-sided producer
+serves every byte itself, which a CMA reader would bypass, so the two are refused together.
 """
 
 from __future__ import annotations
@@ -35,10 +46,16 @@ SHARED_OPTIONS = ("timeout_s", "host")
 
 
 def same_host_option(options: Mapping[str, DataPlaneValue]) -> str:
-    """The ``same_host`` option, checked: ``ucx`` (the default: every producer over UCX) or ``cma``."""
-    value = options.get("same_host", "ucx")
+    """The ``same_host`` option, checked: ``cma`` (the default with one-sided reads: this host's
+    producers with CMA) or ``ucx`` (every producer over UCX; the default with ``reads: two-sided``)."""
+    two_sided = options.get("reads") == "two-sided"
+    value = options.get("same_host", "ucx" if two_sided else "cma")
     if value not in SAME_HOST:
         raise ValueError(f"connector.data_plane.same_host: expected ucx or cma, got {value!r}")
+    if value == "cma" and two_sided:
+        raise ValueError("connector.data_plane.same_host: cma lets this host's consumers read the producer's memory "
+                         "themselves, which reads: two-sided rules out (every byte served by the producer); "
+                         "set same_host: ucx or reads: one-sided")
     return str(value)
 
 

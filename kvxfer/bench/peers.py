@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 PEERS = ("nixl", "nixl-tcp", "nixl-nocma", "mooncake")
 # kvxfer's plane (or a bench row that is not its plane's wire) -> the NIXL variant on the same transports;
-# ucx-cma reads this host's producer with CMA (same_host: cma), as NIXL's UCX does
-SAME_WIRE = {"cma": "nixl", "tcp": "nixl-tcp", "ucx": "nixl-nocma", "ucx-cma": "nixl", "ucx-cma-nice": "nixl"}
+# ucx reads this host's producer with CMA (same_host: cma, its default), as NIXL's UCX does; the rows on
+# UCX's own wire (same_host: ucx) meet NIXL without CMA
+SAME_WIRE = {"cma": "nixl", "tcp": "nixl-tcp", "ucx": "nixl",
+             **{c: "nixl-nocma" for c in ("ucx-nocma", "ucx-nocma-nice", "ucx-2s", "ucx-native")}}
 MOONCAKE_BATCH = 256
 _MODULES = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}
 

@@ -568,12 +568,13 @@ class Bench:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
                     help="data planes to measure (default: every installed one that works across processes); "
-                         "ucx-2s: the ucx plane with reads: two-sided (its default is one-sided); ucx-native: with "
-                         "rma_progress: native (in an agent its default is adaptive); cma-agent: the cma plane with "
+                         "ucx-nocma: the ucx plane with same_host: ucx (UCX's own wire on this host too; by default "
+                         "it reads this host's producers with CMA); ucx-2s: with reads: two-sided (every producer "
+                         "over UCX); ucx-native: same_host: ucx, rma_progress: native; cma-agent: the cma plane with "
                          "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
                          "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "
                          "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight); "
-                         "tcp-nice, ucx-nice, cma-nice, ucx-cma-nice: agent_nice: -10 (the transfer agents preempt a "
+                         "tcp-nice, ucx-nice, cma-nice, ucx-nocma-nice: agent_nice: -10 (the transfer agents preempt a "
                          "spinning engine)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
     ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])

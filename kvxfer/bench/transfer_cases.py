@@ -46,10 +46,10 @@ class Conn(Protocol):
 # connector rows that are a plane with options, not its defaults: name -> (plane, connector.data_plane)
 # a bench row that runs a data plane with options: name -> (plane, data_plane options, connector options)
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "ucx-2s": ("ucx", {"reads": "two-sided"}, {}),
-    "ucx-native": ("ucx", {"rma_progress": "native"}, {}),
-    # this host's producers read through the cma plane beside the ucx plane (same_host: cma)
-    "ucx-cma": ("ucx", {"same_host": "cma"}, {}),
+    "ucx-2s": ("ucx", {"reads": "two-sided"}, {}),  # two-sided: every producer over UCX (same_host: ucx)
+    "ucx-native": ("ucx", {"rma_progress": "native", "same_host": "ucx"}, {}),
+    # UCX's own wire on this host too (same_host: ucx); the ucx row reads this host's producers with CMA
+    "ucx-nocma": ("ucx", {"same_host": "ucx"}, {}),
     # every load through the transfer agent: what the engine's own small copies (engine_copy_bytes) change
     "cma-agent": ("cma", {}, {"engine_copy_bytes": 0}),
     # the engine's copies of 4 MiB and more let the GIL go (engine_copy_release_gil_bytes)
@@ -59,7 +59,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     **{f"{p}-noswitch": (p, {}, {"gil_switch_interval_s": 0.0}) for p in ("tcp", "ucx", "cma")},
     # the transfer agents at nice -10 (connector.agent_nice): they preempt a spinning engine for a core
     **{f"{p}-nice": (p, {}, {"agent_nice": NICE}) for p in ("tcp", "ucx", "cma")},
-    "ucx-cma-nice": ("ucx", {"same_host": "cma"}, {"agent_nice": NICE}),
+    "ucx-nocma-nice": ("ucx", {"same_host": "ucx"}, {"agent_nice": NICE}),
 }
 
 

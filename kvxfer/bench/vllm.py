@@ -62,20 +62,21 @@ from kvxfer.progress import Progress
 
 from .session_cpu import CpuWindow
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-2s",
-              "kvxfer-ucx-native", "kvxfer-ucx-adaptive", "kvxfer-ucx-cma", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-nocma",
+              "kvxfer-ucx-2s", "kvxfer-ucx-native", "kvxfer-ucx-adaptive", "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
-# kvxfer rows that are not just a plane: the ucx plane with two-sided reads (its default is one-sided)
-KVXFER_PLANES = {"kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
-                 "kvxfer-ucx-native": ("ucx", {"rma_progress": "native"}),
-                 "kvxfer-ucx-adaptive": ("ucx", {"rma_progress": "adaptive"}),
-                 "kvxfer-ucx-cma": ("ucx", {"same_host": "cma"})}
+# kvxfer rows that are not just a plane: the ucx plane on UCX's own wire on this host too (its default reads
+# this host's producer with CMA, same_host: cma), two-sided, and with its RMA workers progressed either way
+KVXFER_PLANES = {"kvxfer-ucx-nocma": ("ucx", {"same_host": "ucx"}),
+                 "kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
+                 "kvxfer-ucx-native": ("ucx", {"rma_progress": "native", "same_host": "ucx"}),
+                 "kvxfer-ucx-adaptive": ("ucx", {"rma_progress": "adaptive", "same_host": "ucx"})}
 # UCX_TLS of each NixlConnector variant (``sm`` includes CMA: ``nixl`` reads with CMA on one host)
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-nocma": UCX_DEFAULT_TLS, "nixl-tcp": "tcp"}
 # the NIXL row a kvxfer row meets (else nixl)
 SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp",
-             **{c: "nixl-nocma" for c in ("kvxfer-ucx", *KVXFER_PLANES)},
-             "kvxfer-ucx-cma": "nixl"}  # this host's producer read with CMA, as vLLM's documented NIXL reads it
+             **{c: "nixl-nocma" for c in KVXFER_PLANES},
+             "kvxfer-ucx": "nixl"}  # this host's producer read with CMA, as vLLM's documented NIXL reads it
 
 
 def baseline_of(connector: str, ran: set[str]) -> str | None:
