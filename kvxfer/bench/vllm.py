@@ -15,8 +15,10 @@ the output. Reported per connector:
   speed, as ``nixl-cma``, which names CMA explicitly), without CMA (``nixl-nocma``: the
   transports kvxfer's ucx plane lets UCX use, ``kvxfer.connectors.ucx.DEFAULT_TLS``) and over
   TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp plane). Each kvxfer row is
-  compared with its own (column ``vs``): cma with ``nixl-cma``, tcp with ``nixl-tcp``, ucx with
-  ``nixl-nocma``; with ``nixl`` when its own did not run. Column ``xfer/dflt`` sets every row
+  compared with its own (column ``vs``): cma with ``nixl-cma``, tcp with ``nixl-tcp``, ucx (its
+  default reads this host's producer with CMA) with ``nixl``, the ucx rows on UCX's own wire
+  (``kvxfer-ucx-nocma``, ``-2s``, ``-native``, ``-adaptive``) with ``nixl-nocma``; with ``nixl``
+  when its own did not run. Column ``xfer/dflt`` sets every row
   against ``nixl`` as well: NixlConnector as a user starts it, whatever its wire.
 - the CPU each pair spends: cores used by both servers' processes (vLLM's and kvxfer's agents)
   for a few seconds with no request (``idle CPU``), and over the measured requests (``load
