@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 import torch
 from kvxfer.connectors.cma import CmaDataPlane
-from kvxfer.connectors.cma.mapped import RegionFile, copy_mapped, map_region, region_files
+from kvxfer.connectors.cma.mapped import (
+    RegionFile,
+    _memcpy_keep_gil,
+    copy_mapped,
+    map_region,
+    memcpy_spans,
+    region_files,
+)
 from test_hold_board import NB, STRIDE, Pair
 
 from kvxfer.protocol import ErrorCode
@@ -113,6 +120,45 @@ def test_copy_mapped_joins_adjacent_pieces_and_copies_each_bit_exact() -> None:
     assert np.array_equal(dst[:150], src[500:650]) and np.array_equal(dst[150:160], src[9000:9010])
     assert np.array_equal(dst[1000:1007], src[3:10]) and np.array_equal(dst[200:300], src[500:600])
     assert not dst[300:1000].any() and not dst[1007:].any()
+
+
+def test_memcpy_spans_copies_every_span_and_keeps_the_gil_throughout() -> None:
+    """The engine's copy (``memcpy_spans``): bit-exact, and one bytecode for every span, so another
+    Python thread does not run mid-copy even at a 1 us switch interval (a Python loop over the
+    same spans lets it run at nearly every turn)."""
+    import sys
+    import threading
+
+    src = np.random.default_rng(3).integers(0, 255, 8 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    order = np.random.default_rng(4).permutation(2048)  # 2048 spans of 4 KiB, scattered
+    d = [dst.ctypes.data + int(i) * 4096 for i in range(2048)]
+    s = [src.ctypes.data + int(i) * 4096 for i in order]
+    turns = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            turns[0] += 1
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        sys.setswitchinterval(1e-6)
+        before = turns[0]
+        memcpy_spans(d, s, [4096] * 2048)
+        during = turns[0] - before
+        before = turns[0]
+        for a, b in zip(d, s, strict=True):  # the same copies, GIL kept, from a Python loop: it runs between turns
+            _memcpy_keep_gil(a, b, 4096)
+        looped = turns[0] - before
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join(5)
+    assert np.array_equal(dst.reshape(2048, 4096), src.reshape(2048, 4096)[order])
+    assert looped > 10 * max(during, 10), (during, looped)
 
 
 class MappedPair(Pair):
