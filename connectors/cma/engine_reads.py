@@ -102,9 +102,9 @@ class PeerShape:
                 for rb, lb in zip(remote_blocks, local_blocks, strict=True):
                     yield i, lb * ls + li, rb * rs + ri, n
 
-    def copy(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
-        """Every span a ``memcpy`` with the GIL kept, all in one call (``memcpy_spans``): a busy
-        thread of the engine takes the GIL once, after the copy, not at every few spans."""
+    def span_addresses(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]
+                       ) -> tuple[list[int], list[int], list[int]]:
+        """Each span's (local address, remote address, bytes) in this process, as three lists."""
         at = self.addresses
         dst: list[int] = []
         src: list[int] = []
@@ -113,20 +113,20 @@ class PeerShape:
             dst.append(at[i][0] + lo)
             src.append(at[i][1] + ro)
             size.append(n)
-        memcpy_spans(dst, src, size)
+        return dst, src, size
+
+    def copy(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
+        """Every span a ``memcpy`` with the GIL kept, all in one call (``memcpy_spans``): a busy
+        thread of the engine takes the GIL once, after the copy, not at every few spans."""
+        memcpy_spans(*self.span_addresses(remote_blocks, local_blocks))
 
     def copy_released(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
         """``copy`` as one ``process_vm_readv`` of this process's own views per IOV_MAX spans,
         the GIL released during each (``connector.engine_copy_release_gil_bytes``). Raises
         OSError on a failed or short copy."""
-        local: list[int] = []
-        remote: list[int] = []
-        at = self.addresses
-        for i, lo, ro, n in self.spans(remote_blocks, local_blocks):
-            local += (at[i][0] + lo, n)
-            remote += (at[i][1] + ro, n)
-        copy_from(os.getpid(), np.array(local, dtype=np.int64).reshape(-1, 2),
-                  np.array(remote, dtype=np.int64).reshape(-1, 2))
+        dst, src, size = self.span_addresses(remote_blocks, local_blocks)
+        copy_from(os.getpid(), np.column_stack((dst, size)).astype(np.int64),
+                  np.column_stack((src, size)).astype(np.int64))
 
 
 def block_runs(remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> list[tuple[int, int]]:
