@@ -126,8 +126,13 @@ class RegionTable:
     def __init__(self, regions: Mapping[int, MemoryRegion]) -> None:
         known = np.fromiter(regions.keys(), dtype=np.int64, count=len(regions))
         sizes = np.fromiter((r.length for r in regions.values()), dtype=np.int64, count=len(regions))
+        bases = np.fromiter((r.address for r in regions.values()), dtype=np.int64, count=len(regions))
         order = np.argsort(known)
-        self.known, self.sizes = known[order], sizes[order]
+        self.known, self.sizes, self.bases = known[order], sizes[order], bases[order]
+
+    def addresses(self, region_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """This process's address of each piece (regions checked registered: ``check_bounds``)."""
+        return self.bases[np.searchsorted(self.known, region_ids)] + offsets
 
 
 def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: np.ndarray,

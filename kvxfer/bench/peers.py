@@ -36,7 +36,7 @@ PEERS = ("nixl", "nixl-tcp", "nixl-nocma", "mooncake")
 # kvxfer's plane (or a bench row that is not its plane's wire) -> the NIXL variant on the same transports;
 # ucx reads this host's producer with CMA (same_host: cma, its default), as NIXL's UCX does; the rows on
 # UCX's own wire (same_host: ucx) meet NIXL without CMA
-SAME_WIRE = {"cma": "nixl", "tcp": "nixl-tcp", "ucx": "nixl",
+SAME_WIRE = {"cma": "nixl", "tcp": "nixl-tcp", "tcp-copy": "nixl-tcp", "ucx": "nixl",
              **{c: "nixl-nocma" for c in ("ucx-nocma", "ucx-nocma-nice", "ucx-2s", "ucx-native")}}
 MOONCAKE_BATCH = 256
 _MODULES = {"nixl": "nixl_cu12._api", "mooncake": "mooncake.engine"}

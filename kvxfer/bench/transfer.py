@@ -569,7 +569,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
                     help="data planes to measure (default: every installed one that works across processes); "
                          "ucx-nocma: the ucx plane with same_host: ucx (UCX's own wire on this host too; by default "
-                         "it reads this host's producers with CMA); ucx-2s: with reads: two-sided (every producer "
+                         "it reads this host's producers with CMA); tcp-copy: the tcp plane with unix_send: copy "
+                         "(sendmsg on this host's Unix sockets, two copies; by default the producer splices its pages "
+                         "in); ucx-2s: with reads: two-sided (every producer "
                          "over UCX); ucx-native: same_host: ucx, rma_progress: native; cma-agent: the cma plane with "
                          "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
                          "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "

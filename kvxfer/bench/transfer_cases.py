@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "ucx-native": ("ucx", {"rma_progress": "native", "same_host": "ucx"}, {}),
     # UCX's own wire on this host too (same_host: ucx); the ucx row reads this host's producers with CMA
     "ucx-nocma": ("ucx", {"same_host": "ucx"}, {}),
+    # the tcp plane's Unix sockets served with sendmsg (two copies) instead of spliced pages (one)
+    "tcp-copy": ("tcp", {"unix_send": "copy"}, {}),
     # every load through the transfer agent: what the engine's own small copies (engine_copy_bytes) change
     "cma-agent": ("cma", {}, {"engine_copy_bytes": 0}),
     # the engine's copies of 4 MiB and more let the GIL go (engine_copy_release_gil_bytes)

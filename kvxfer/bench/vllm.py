@@ -15,7 +15,8 @@ the output. Reported per connector:
   speed, as ``nixl-cma``, which names CMA explicitly), without CMA (``nixl-nocma``: the
   transports kvxfer's ucx plane lets UCX use, ``kvxfer.connectors.ucx.DEFAULT_TLS``) and over
   TCP only (``nixl-tcp``: kernel sockets, the wire of kvxfer's tcp plane). Each kvxfer row is
-  compared with its own (column ``vs``): cma with ``nixl-cma``, tcp with ``nixl-tcp``, ucx (its
+  compared with its own (column ``vs``): cma with ``nixl-cma``, tcp (and ``kvxfer-tcp-copy``, its
+  Unix sockets served with sendmsg, not spliced pages) with ``nixl-tcp``, ucx (its
   default reads this host's producer with CMA) with ``nixl``, the ucx rows on UCX's own wire
   (``kvxfer-ucx-nocma``, ``-2s``, ``-native``, ``-adaptive``) with ``nixl-nocma``; with ``nixl``
   when its own did not run. Column ``xfer/dflt`` sets every row
@@ -64,20 +65,23 @@ from kvxfer.progress import Progress
 
 from .session_cpu import CpuWindow
 
-CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-ucx-nocma",
-              "kvxfer-ucx-2s", "kvxfer-ucx-native", "kvxfer-ucx-adaptive", "kvxfer-cma")
+CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-tcp-copy", "kvxfer-ucx",
+              "kvxfer-ucx-nocma", "kvxfer-ucx-2s", "kvxfer-ucx-native", "kvxfer-ucx-adaptive", "kvxfer-cma")
 DEFAULT_CONNECTORS = ("nixl", "nixl-cma", "nixl-nocma", "nixl-tcp", "kvxfer-tcp", "kvxfer-ucx", "kvxfer-cma")
-# kvxfer rows that are not just a plane: the ucx plane on UCX's own wire on this host too (its default reads
+# kvxfer rows that are not just a plane: the tcp plane serving this host's Unix sockets with sendmsg (by default
+# it splices the producer's pages in); the ucx plane on UCX's own wire on this host too (its default reads
 # this host's producer with CMA, same_host: cma), two-sided, and with its RMA workers progressed either way
-KVXFER_PLANES = {"kvxfer-ucx-nocma": ("ucx", {"same_host": "ucx"}),
+KVXFER_PLANES = {"kvxfer-tcp-copy": ("tcp", {"unix_send": "copy"}),
+                 "kvxfer-ucx-nocma": ("ucx", {"same_host": "ucx"}),
                  "kvxfer-ucx-2s": ("ucx", {"reads": "two-sided"}),
                  "kvxfer-ucx-native": ("ucx", {"rma_progress": "native", "same_host": "ucx"}),
                  "kvxfer-ucx-adaptive": ("ucx", {"rma_progress": "adaptive", "same_host": "ucx"})}
 # UCX_TLS of each NixlConnector variant (``sm`` includes CMA: ``nixl`` reads with CMA on one host)
 NIXL_TLS = {"nixl": "sm,self,tcp", "nixl-cma": "sm,self,cma,tcp", "nixl-nocma": UCX_DEFAULT_TLS, "nixl-tcp": "tcp"}
 # the NIXL row a kvxfer row meets (else nixl)
-SAME_WIRE = {"kvxfer-cma": "nixl-cma", "kvxfer-tcp": "nixl-tcp",
+SAME_WIRE = {"kvxfer-cma": "nixl-cma",
              **{c: "nixl-nocma" for c in KVXFER_PLANES},
+             "kvxfer-tcp": "nixl-tcp", "kvxfer-tcp-copy": "nixl-tcp",
              "kvxfer-ucx": "nixl"}  # this host's producer read with CMA, as vLLM's documented NIXL reads it
 
 
