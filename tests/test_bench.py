@@ -44,10 +44,11 @@ def test_bench_transfer_with_peers_writes_table_json_and_plot(tmp_path: Path) ->
             for tokens in (16, 64):
                 (rec,) = [x for x in recs if (x["connector"], x["pattern"], x["tokens"]) == (name, pat, tokens)]
                 assert set(rec) >= FIELDS and rec["gbps"] > 0 and rec["bytes"] == tokens // 16 * 2**21
-                assert rec["baseline"] in ("raw socket", "raw ucxx (one message)", "raw ucxx (pieces)")
+                assert rec["baseline"] == {"tcp": "raw socket (spliced)", "cma": "raw socket"}.get(
+                    name, "raw ucxx (pieces)" if pat == "random" else "raw ucxx (one message)")
                 assert rec["ratio"] == rec["gbps"] / rec["baseline_gbps"]
     baselines = {x["connector"] for x in recs if x["kind"] == "baseline"}
-    assert {"memcpy", "raw socket", "raw ucxx (one message)", "raw ucxx (pieces)"} <= baselines
+    assert {"memcpy", "raw socket", "raw socket (spliced)", "raw ucxx (one message)", "raw ucxx (pieces)"} <= baselines
     for peer in PEERS:  # measured when installed; otherwise the table says why not
         measured = [x for x in recs if x["connector"] == peer]
         assert len(measured) == 4 or (peer in data["skipped"] and peer in r.stdout), (peer, data["skipped"])

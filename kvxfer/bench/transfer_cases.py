@@ -240,6 +240,9 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
     spinner = Spinner()
     bare_planes: list[Any] = []
     from kvxfer.connectors.tcp import send_pieces, widen_unix_buffer
+    from kvxfer.connectors.tcp.splice import Splicer
+
+    splicer: Splicer | None = None
 
     try:
         while True:
@@ -266,13 +269,22 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                     c.poll()
                 conn.send("ok")
             elif op == "raw":  # the pieces, then one "go" byte per trial over the raw socket
-                pieces = piece_views(views, *(np.frombuffer(b, dtype=np.int64) for b in cmd[1:]))
+                regions, offsets, lengths = (np.frombuffer(b, dtype=np.int64) for b in cmd[1:4])
+                spliced = cmd[4]  # the pages spliced in, as the tcp plane serves a Unix socket; else sendmsg
+                pieces = [] if spliced else piece_views(views, regions, offsets, lengths)
+                bases = {rid: np.frombuffer(v, np.uint8).ctypes.data for rid, v in views.items()}
+                addresses = np.array([bases[r] for r in regions.tolist()], np.int64) + offsets
                 if raw is None:
                     raw, _ = srv.accept()
                     widen_unix_buffer(raw)  # as the tcp plane's connections: the baseline is not handicapped
+                if spliced and splicer is None:
+                    splicer = Splicer()
                 conn.send("ready")
                 while raw.recv(1) == b"g":
-                    send_pieces(raw, pieces)
+                    if splicer is not None and spliced:
+                        splicer.send(raw, addresses, lengths)
+                    else:
+                        send_pieces(raw, pieces)
             elif op == "ucx_connect":
                 ucx_plane, bare = ucx_runtime_plane(conns[cmd[3]])
                 if bare:
@@ -291,6 +303,8 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 break
     finally:
         spinner.set(False)
+        if splicer is not None:
+            splicer.close()
         if ucx_raw is not None:
             ucx_raw.close()
         for c in conns.values():
