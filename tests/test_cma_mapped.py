@@ -144,21 +144,26 @@ def test_memcpy_spans_copies_every_span_and_keeps_the_gil_throughout() -> None:
     old = sys.getswitchinterval()
     t = threading.Thread(target=spin, daemon=True)
     t.start()
+    tries = []
     try:
         sys.setswitchinterval(1e-6)
-        before = turns[0]
-        memcpy_spans(d, s, [4096] * 2048)
-        during = turns[0] - before
-        before = turns[0]
-        for a, b in zip(d, s, strict=True):  # the same copies, GIL kept, from a Python loop: it runs between turns
-            _memcpy_keep_gil(a, b, 4096)
-        looped = turns[0] - before
+        # a loaded host may not run the spinner at all for a while: measure again (at most 20 times)
+        # until the Python loop shows it running, and judge the copy on that try
+        while len(tries) < 20 and (not tries or tries[-1][1] < 100):
+            before = turns[0]
+            memcpy_spans(d, s, [4096] * 2048)
+            during = turns[0] - before
+            before = turns[0]
+            for a, b in zip(d, s, strict=True):  # the same copies, GIL kept, from a Python loop: it runs between
+                _memcpy_keep_gil(a, b, 4096)  # turns
+            tries.append((during, turns[0] - before))
     finally:
         sys.setswitchinterval(old)
         stop.set()
         t.join(5)
     assert np.array_equal(dst.reshape(2048, 4096), src.reshape(2048, 4096)[order])
-    assert looped > 10 * max(during, 10), (during, looped)
+    during, looped = tries[-1]
+    assert looped > 10 * max(during, 10), tries
 
 
 class MappedPair(Pair):
