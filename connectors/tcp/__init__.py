@@ -373,14 +373,14 @@ class TcpDataPlane(HostRegionPlane):
         self.copied_bytes = 0  # served with sendmsg
         self._start_server(str(self.options.get("host", "127.0.0.1")), int(self.options.get("port", 0)))
 
-    @staticmethod
-    def _unix_send(value: DataPlaneValue | None) -> str:
+    def _unix_send(self, value: DataPlaneValue | None) -> str:
         """``unix_send``: ``splice`` unless this host refuses spliced pages (then ``copy``, logged;
-        asked for by name, the plane refuses to start instead)."""
+        asked for by name, the plane refuses to start instead). With ``transport: tcp`` there is
+        no Unix connection to serve: not probed."""
         if value not in (None, "splice", "copy"):
             raise ValueError(f"connector.data_plane.unix_send: expected splice or copy, got {value!r}")
-        if value == "copy":
-            return "copy"
+        if value == "copy" or self.transport == "tcp":
+            return "copy" if value == "copy" else "splice"
         why = splice_works()
         if why is None:
             return "splice"
@@ -454,7 +454,11 @@ class TcpDataPlane(HostRegionPlane):
                 return
             conn.settimeout(None)  # blocking: splice waits in the kernel as sendmsg does
             if conn.family == socket.AF_UNIX and self.unix_send == "splice":
-                splicer = Splicer()
+                try:
+                    splicer = Splicer()
+                except OSError as e:  # out of file descriptors: this connection copies
+                    logger.warning("tcp data plane: no splice pipe for a connection from %s (%s): served with "
+                                   "sendmsg", peer, e)
             while not self._closed.is_set():
                 req = decode_data(recv_frame(conn))
                 if not isinstance(req, ReadRequest):
@@ -501,7 +505,7 @@ class TcpDataPlane(HostRegionPlane):
         else:
             send_pieces(conn, pieces)
         with self._lock:
-            if splicer is not None:
+            if splicer is not None and splicer.copying is None:
                 self.spliced_bytes += d.nbytes
             else:
                 self.copied_bytes += d.nbytes
