@@ -38,6 +38,8 @@ import numpy as np
 
 from kvxfer.dataplane import address_view
 
+from .wire import send_pieces
+
 logger = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -96,8 +98,6 @@ class Splicer:
         Blocks while the consumer's socket is full, as ``sendmsg`` does (``sock`` is blocking).
         Any exception leaves the connection unusable (what is in the pipe would go next): the
         caller closes it."""
-        from . import send_pieces
-
         iov = np.empty((len(addresses), 2), dtype=np.uint64)
         iov[:, 0] = addresses
         iov[:, 1] = lengths
