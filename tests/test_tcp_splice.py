@@ -56,13 +56,16 @@ def counters_reach(plane: TcpDataPlane, want: dict[str, int], timeout_s: float =
     return got
 
 
-def wait(plane: TcpDataPlane, batch: int, timeout_s: float = 30.0) -> BatchResult:
+def wait(pair: Pair, batch: int, timeout_s: float = 30.0) -> BatchResult:
+    """The batch's result, woken by the consumer's completion callback."""
+    plane, done = pair.consumer, pair.done
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        done.clear()
         for r in plane.poll():
             if r.batch_id == batch:
                 return r
-        time.sleep(0.002)
+        done.wait(max(deadline - time.monotonic(), 0.0))
     raise AssertionError(f"batch {batch} did not finish in {timeout_s} s")
 
 
@@ -79,6 +82,8 @@ class Pair:
         self.producer.register([region(rid, a) for rid, a in self.src.items()])
         self.consumer.register([region(rid, a) for rid, a in self.dst.items()])
         self.consumer.connect("p", self.producer.address())
+        self.done = threading.Event()
+        self.consumer.set_completion_callback(self.done.set)
 
     def check(self, d: Descriptors) -> None:
         for rid in REGION_IDS:
@@ -116,7 +121,7 @@ def test_unix_reads_arrive_bit_exact_and_are_served_as_asked(unix_send: str) -> 
         for d in (big, long, *small):
             pair.dst[3][:] = 0
             pair.dst[7][:] = 0
-            r = wait(pair.consumer, pair.consumer.read("p", "req", d))
+            r = wait(pair, pair.consumer.read("p", "req", d))
             assert r.error is None and r.nbytes == d.nbytes
             pair.check(d)
             total += d.nbytes
@@ -133,7 +138,7 @@ def test_tcp_connections_are_served_with_sendmsg() -> None:
     try:
         assert pair.producer.unix_send == "splice"
         d = pieces(np.random.default_rng(2), 40)
-        r = wait(pair.consumer, pair.consumer.read("p", "req", d))
+        r = wait(pair, pair.consumer.read("p", "req", d))
         assert r.error is None
         pair.check(d)
         want = {"spliced_bytes": 0, "copied_bytes": d.nbytes}
@@ -163,6 +168,15 @@ def test_where_splice_fails_the_default_copies_and_asking_for_it_is_refused(
         plane.close()
 
 
+def queued(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue (FIONREAD)."""
+    import fcntl
+    import struct
+    import termios
+
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+
 @needs_splice
 def test_a_signal_mid_splice_does_not_end_the_send() -> None:
     """A Python-handled signal interrupts the serving thread's blocked splice (EINTR): the send
@@ -185,7 +199,9 @@ def test_a_signal_mid_splice_does_not_end_the_send() -> None:
     t.start()
     try:
         blocked.wait(5)
-        time.sleep(0.2)  # the socket's buffer is full: the thread waits in splice
+        deadline = time.monotonic() + 5  # until the consumer's socket holds 1 MiB: the thread is in splice
+        while queued(b) < 1 << 20 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert t.ident is not None
         for _ in range(3):
             signal.pthread_kill(t.ident, signal.SIGUSR1)
@@ -232,7 +248,7 @@ def test_memory_vmsplice_refuses_is_sent_with_sendmsg_from_where_it_stopped(monk
         for d in (pieces(np.random.default_rng(4), 2 * IOV_BATCH), pieces(np.random.default_rng(5), 7)):
             pair.dst[3][:] = 0
             pair.dst[7][:] = 0
-            r = wait(pair.consumer, pair.consumer.read("p", "req", d))
+            r = wait(pair, pair.consumer.read("p", "req", d))
             assert r.error is None
             pair.check(d)
         assert calls[0] == 2  # the second read did not try again
@@ -266,7 +282,7 @@ def test_a_consumer_that_leaves_mid_read_frees_its_connection() -> None:
             time.sleep(0.01)
         assert not pair.producer._conns  # its serving thread left splice
         d = pieces(np.random.default_rng(6), 50)
-        r = wait(pair.consumer, pair.consumer.read("p", "req", d))
+        r = wait(pair, pair.consumer.read("p", "req", d))
         assert r.error is None
         pair.check(d)
     finally:

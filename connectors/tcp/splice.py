@@ -102,7 +102,7 @@ class Splicer:
         iov[:, 0] = addresses
         iov[:, 1] = lengths
         if self.copying is not None:
-            send_pieces(sock, [address_view(int(a), int(k)) for a, k in iov.tolist()])
+            _copy(sock, iov)
             return
         base, n, i = iov.ctypes.data, len(iov), 0
         fd = sock.fileno()
@@ -116,7 +116,7 @@ class Splicer:
                 self.copying = f"vmsplice refused the memory ({e.strerror})"
                 logger.warning("tcp data plane: a connection's reads are sent with sendmsg from now on: %s",
                                self.copying)
-                send_pieces(sock, [address_view(int(a), int(k)) for a, k in iov[i:].tolist()])
+                _copy(sock, iov[i:])
                 return
             left = got
             while left:
@@ -132,6 +132,11 @@ class Splicer:
             if into:
                 iov[i, 0] += np.uint64(into)
                 iov[i, 1] -= np.uint64(into)
+
+
+def _copy(sock: socket.socket, iov: np.ndarray) -> None:
+    """The pieces of ``iov`` (address, length rows) sent with sendmsg."""
+    send_pieces(sock, [address_view(a, k) for a, k in iov.tolist()])
 
 
 def splice_works() -> str | None:

@@ -272,8 +272,9 @@ def producer(names: list[str], num_blocks: int, conn: Any, data_path: str | None
                 regions, offsets, lengths = (np.frombuffer(b, dtype=np.int64) for b in cmd[1:4])
                 spliced = cmd[4]  # the pages spliced in, as the tcp plane serves a Unix socket; else sendmsg
                 pieces = [] if spliced else piece_views(views, regions, offsets, lengths)
-                bases = {rid: np.frombuffer(v, np.uint8).ctypes.data for rid, v in views.items()}
-                addresses = np.array([bases[r] for r in regions.tolist()], np.int64) + offsets
+                ids = np.array(sorted(views), np.int64)
+                bases = np.array([np.frombuffer(views[r], np.uint8).ctypes.data for r in ids.tolist()], np.int64)
+                addresses = bases[np.searchsorted(ids, regions)] + offsets
                 if raw is None:
                     raw, _ = srv.accept()
                     widen_unix_buffer(raw)  # as the tcp plane's connections: the baseline is not handicapped
