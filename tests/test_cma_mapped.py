@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from kvxfer.connectors.cma import CmaDataPlane
+from kvxfer.connectors.cma.engine_reads import peer_shape
 from kvxfer.connectors.cma.mapped import (
     RegionFile,
     _memcpy_keep_gil,
@@ -25,6 +26,7 @@ from kvxfer.connectors.cma.mapped import (
 )
 from test_hold_board import NB, STRIDE, Pair
 
+from kvxfer.dataplane import BlockPieces
 from kvxfer.protocol import ErrorCode
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -271,3 +273,35 @@ def test_a_transfer_agents_cma_loads_are_copied_from_mappings_bit_exact() -> Non
     finally:
         c.close()
         p.close()
+
+
+@pytest.mark.parametrize("blocks", [([7], [3]), ([4, 5, 6], [10, 11, 12]), ([4, 5, 9, 1, 2], [0, 1, 2, 8, 9]),
+                                    ([11, 2, 6], [1, 0, 5])])
+def test_a_whole_block_shapes_spans_are_the_pieces_walk_over_every_run(blocks: tuple[list[int], list[int]]) -> None:
+    """``PeerShape.span_addresses`` of a per-block shape whose pieces fill their blocks (the
+    precomputed fast path) gives the spans the generic walk gives, in its order, and copies
+    bit-exact; a shape with one piece short of its block takes the walk."""
+    piece = 64
+    src = [np.random.default_rng(i).integers(0, 256, NB * piece, dtype=np.uint8) for i in range(3)]
+    dst = [np.zeros(NB * piece, dtype=np.uint8) for _ in range(3)]
+    local = {i: memoryview(a) for i, a in enumerate(dst)}
+    remote = {10 + i: memoryview(a) for i, a in enumerate(src)}
+    whole = BlockPieces(tuple((10 + i, 0, piece, 0, i, 0, piece, 0, piece) for i in range(3)), 3 * piece, True)
+    short = BlockPieces(tuple((10 + i, 0, piece, 8, i, 0, piece, 8, piece - 8) for i in range(3)), 3 * piece, True)
+    rb, lb = blocks
+    for bp, fast in ((whole, True), (short, False)):
+        shape = peer_shape(bp, local, remote, {10 + i: piece for i in range(3)})
+        assert shape is not None and bool(shape.whole_sizes) == fast
+        walked = ([shape.addresses[i][0] + lo for i, lo, _, _ in shape.spans(rb, lb)],
+                  [shape.addresses[i][1] + ro for i, _, ro, _ in shape.spans(rb, lb)],
+                  [n for _, _, _, n in shape.spans(rb, lb)])
+        assert shape.span_addresses(rb, lb) == walked
+        for a in dst:
+            a[:] = 0
+        shape.copy(rb, lb)
+        inner = 0 if fast else 8
+        for s, d in zip(src, dst, strict=True):
+            for r, lo in zip(rb, lb, strict=True):
+                assert np.array_equal(d[lo * piece + inner : (lo + 1) * piece], s[r * piece + inner : (r + 1) * piece])
+            wrote = sum(int(s[r * piece + inner : (r + 1) * piece].astype(np.int64).sum()) for r in rb)
+            assert int(d.astype(np.int64).sum()) == wrote  # and nothing else
