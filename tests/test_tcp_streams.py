@@ -7,7 +7,10 @@ producer's read validator is the only hook, gated to keep one read in the server
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import threading
 import time
 from pathlib import Path
@@ -18,7 +21,7 @@ from kvxfer.connectors.tcp import UNIX_SNDBUF, TcpDataPlane
 
 from kvxfer.cache.tensors import MemoryRegion
 from kvxfer.dataplane import BatchResult, Descriptors
-from kvxfer.protocol import Refusal
+from kvxfer.protocol import ErrorCode, Refusal
 
 STRIDE = 64 << 10
 NB = 16
@@ -30,14 +33,15 @@ def region(a: np.ndarray) -> MemoryRegion:
 
 
 class Pair:
-    def __init__(self, transport: str) -> None:
+    def __init__(self, transport: str, streams: int = 2) -> None:
         self.src = np.random.default_rng(1).integers(0, 255, NB * STRIDE, dtype=np.uint8)
         self.dst = np.zeros(NB * STRIDE, dtype=np.uint8)
         self.producer = TcpDataPlane({"transport": transport})
-        self.consumer = TcpDataPlane({"transport": transport, "streams": 2, "timeout_s": 10.0})
+        self.consumer = TcpDataPlane({"transport": transport, "streams": streams, "timeout_s": 10.0})
         self.producer.register([region(self.src)])
         self.consumer.register([region(self.dst)])
         self.gate = threading.Event()
+        self.waiting = 0  # what the "look" read saw queued behind it on the connection
         self.in_server = threading.Event()
         self.producer.set_read_validator(self.validate)
         self.consumer.connect("p", self.producer.address())
@@ -49,7 +53,21 @@ class Pair:
         if request_id == "slow":
             self.in_server.set()
             self.gate.wait(10)
+        if request_id == "refused":
+            return Refusal(ErrorCode.NOT_HELD, "not held (the test's refusal)")
+        if request_id == "look":  # how many bytes of later requests wait on the connection now
+            self.waiting = self.queued_after(1.0)
         return None
+
+    def queued_after(self, timeout_s: float) -> int:
+        """Bytes waiting unread on the producer's connection, once there are any (or 0 after ``timeout_s``)."""
+        with self.producer._lock:
+            (conn,) = self.producer._conns
+        deadline = time.monotonic() + timeout_s
+        while (n := struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, b"\0" * 4))[0]) == 0 \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return n
 
     def read(self, request_id: str, block: int) -> int:
         one = np.ones(1, np.int64)
@@ -170,5 +188,52 @@ def test_an_inline_read_that_waits_too_long_is_finished_by_the_stream() -> None:
             assert np.array_equal(pair.src[b * STRIDE:(b + 1) * STRIDE], pair.dst[b * STRIDE:(b + 1) * STRIDE])
         with pair.producer._lock:
             assert len(pair.producer._conns) == 1  # one connection throughout: nothing was dropped
+    finally:
+        pair.close()
+
+
+def same(pair: Pair, blocks: list[int]) -> bool:
+    return all(np.array_equal(pair.src[b * STRIDE:(b + 1) * STRIDE], pair.dst[b * STRIDE:(b + 1) * STRIDE])
+               for b in blocks)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_reads_queued_on_one_stream_are_pipelined_and_arrive_bit_exact(transport: str) -> None:
+    """Reads queued together on one stream go out back to back: while the producer checks one,
+    the next requests already wait on its connection (without the pipeline the consumer sends
+    the next only after the reply), and every read arrives bit-exact on the one connection."""
+    pair = Pair(transport, streams=1)
+    try:
+        slow = pair.read("slow", 1)
+        assert pair.in_server.wait(5), "the first read never reached the server"
+        batches = {b: pair.read(rid, b) for rid, b in (("look", 2), ("r3", 3), ("r4", 4), ("r5", 5), ("r6", 6))}
+        pair.gate.set()
+        for batch in (slow, *batches.values()):
+            res = pair.wait_for(batch)
+            assert res is not None and res.ok, res
+        assert pair.waiting > 0, "no later request was on the connection while the producer checked one"
+        assert same(pair, [1, *batches])
+        with pair.producer._lock:
+            assert len(pair.producer._conns) == 1
+    finally:
+        pair.close()
+
+
+def test_a_refused_read_among_pipelined_ones_fails_alone() -> None:
+    """A refusal in the middle of a pipeline fails that read (its code kept); the reads sent
+    behind it on the dropped connection are sent again on a new one and arrive bit-exact."""
+    pair = Pair("unix", streams=1)
+    try:
+        slow = pair.read("slow", 1)
+        assert pair.in_server.wait(5)
+        refused = pair.read("refused", 2)
+        after = {b: pair.read(f"r{b}", b) for b in (3, 4, 5)}
+        pair.gate.set()
+        res = pair.wait_for(refused)
+        assert res is not None and not res.ok and res.code == ErrorCode.NOT_HELD, res
+        for batch in (slow, *after.values()):
+            res = pair.wait_for(batch)
+            assert res is not None and res.ok, res
+        assert same(pair, [1, 3, 4, 5]) and not pair.dst[2 * STRIDE:3 * STRIDE].any()
     finally:
         pair.close()

@@ -62,6 +62,12 @@ MIN_SPLIT_PIECE = 256 << 10  # ... and below this average piece size too
 # the stream's thread finishes what is not done by then
 INLINE_READ_BYTES = 32 << 20
 INLINE_WAIT_S = 0.01
+# requests a stream sends ahead of the reply it awaits (``_Stream._run_jobs``), each of at most
+# PIPELINE_PIECES pieces (about 24 bytes a piece): a consumer blocked sending a request while the
+# producer is blocked sending it a reply would wait for the deadline, so what is sent ahead must fit
+# the socket buffers (4 x 12 KiB)
+PIPELINE_DEPTH = 4
+PIPELINE_PIECES = 512
 OPTIONS = {"streams", "transport", "unix_send", "timeout_s", "host", "port"}
 
 
@@ -178,24 +184,55 @@ class _Stream:
         return s
 
     def _run(self) -> None:
-        """Supervised: any exception fails this job's part (the connection is dropped, the next
-        job reconnects) and the stream goes on. A receive left by ``try_inline`` is finished
-        before the next job (its reply comes first on the connection)."""
-        while (job := self.jobs.get()) is not None:
+        """Supervised: any exception fails the part whose reply was awaited (the connection is
+        dropped, the next job reconnects) and the stream goes on. A receive left by ``try_inline``
+        is finished first (its reply comes first on the connection)."""
+        closing = False
+        while not closing and (job := self.jobs.get()) is not None:
             with self._busy:
                 resumed, self.resume = self.resume, None
-                for j in (resumed, job):
-                    if j is None or j is _RESUME:
-                        continue
-                    try:
-                        if self.sock is None:
-                            self.sock = self._connect()
-                        self._do(self.sock, j, j.deadline)
-                    except Exception as e:
-                        self._failed(j, e)
-                    else:
-                        self.plane._part_done(self, j, None, None)
+                closing = self._run_jobs([j for j in (resumed, job) if j is not None and j is not _RESUME])
         self._drop()
+
+    def _run_jobs(self, todo: list[_Job]) -> bool:
+        """``todo`` and the jobs queued meanwhile, in order, with up to PIPELINE_DEPTH requests
+        out on the connection at once: the producer reads the next request as soon as it has sent
+        one reply, so jobs queued together leave no round trip idle between them. A failure drops
+        the connection and fails the job whose reply was awaited; the requests sent after it went
+        down with the connection and are sent again on the next one. True: the stream closes."""
+        closing = False
+        while todo:
+            while not closing and len(todo) < PIPELINE_DEPTH:
+                try:
+                    more = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                elif more is not _RESUME:  # (the resume it stood for was taken with the lock)
+                    todo.append(more)
+            job = todo[0]
+            try:
+                if self.sock is None:
+                    if self.closed:
+                        raise ConnectionError("the stream closed")
+                    self.sock = self._connect()
+                for j in todo:
+                    if j.sent:
+                        continue
+                    if j is not job and len(j.lengths) > PIPELINE_PIECES:
+                        break  # a large request waits its turn, and those after it too (their order)
+                    self._request(self.sock, j)
+                self._do(self.sock, job, job.deadline)
+            except Exception as e:
+                todo.pop(0)
+                self._failed(job, e)
+                for j in todo:
+                    j.sent, j.receipt = False, None
+                continue
+            todo.pop(0)
+            self.plane._part_done(self, job, None, None)
+        return closing
 
     def _failed(self, job: _Job, e: Exception) -> None:
         """A part failed: the connection is dropped (a refusal too: simplest to keep in step)."""
@@ -208,15 +245,18 @@ class _Stream:
         """Send the job's request (once), take its reply header, then its bytes; TimeoutError at
         ``wait_until`` leaves the job where it stopped (header awaited, or bytes part received)."""
         if not job.sent:
-            req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
-                              offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
-            sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
-            send_frame(sock, encode(req))
-            job.sent = True
+            self._request(sock, job)
         if job.receipt is None:
             self._header(sock, job, wait_until)
             job.receipt = _Receipt(job.views)
         job.receipt.run(sock, wait_until)
+
+    def _request(self, sock: socket.socket, job: _Job) -> None:
+        req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
+                          offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
+        sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
+        send_frame(sock, encode(req))
+        job.sent = True
 
     def _header(self, sock: socket.socket, job: _Job, wait_until: float) -> None:
         """The reply's header: waited for until ``wait_until`` with nothing read (so that a wait
