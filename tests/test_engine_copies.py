@@ -29,6 +29,7 @@ from kvxfer.config import (
 )
 from kvxfer.connector import Connector, EngineConnector
 from kvxfer.protocol import ErrorCode, merge_params
+from kvxfer.transfer.aggregator import Finished
 
 Pair = tuple[EngineConnector, list[torch.Tensor], EngineConnector, list[torch.Tensor]]
 
@@ -184,20 +185,51 @@ def test_a_dead_producer_agent_fails_the_load_through_the_agent_with_its_blocks(
     assert c.stats()["engine_passed_loads"] == s["engine_passed_loads"] + 1
 
 
+def received(c: EngineConnector, rids: list[str], timeout_s: float = 30.0) -> Finished:
+    """What ``c``'s polls report until every one of ``rids`` finished or failed (or ``timeout_s``)."""
+    out = Finished()
+    deadline = time.monotonic() + timeout_s
+    while set(rids) - set(out.receiving) - set(out.failed) and time.monotonic() < deadline:
+        out.extend(c.poll(0.05))
+    return out
+
+
 def test_a_burst_of_copied_loads_tells_every_producer_hold_without_a_poll_between(pair: Pair) -> None:
     """More copied loads than the agent reads between two of its event turns: none is lost (their
-    holds all come back), and each is reported once."""
+    holds all come back), and each is reported once. In the burst every other load goes to the
+    agent (the next test)."""
     p, pt, c, ct = pair
     first_load(p, c)
     rids = [f"b{i}" for i in range(300)]
     for i, rid in enumerate(rids):
         c.start_load(rid, p.hold(rid, [1 + i % 60], 16), [1 + (i * 7) % 60])
-    out = c.poll()
+    out = received(c, rids)
     assert sorted(out.receiving) == sorted(rids) and not out.failed
     assert same(pt, [1 + 299 % 60], ct, [1 + (299 * 7) % 60])
     assert released(p, ["first", *rids], timeout_s=30) == sorted(["first", *rids])
     s = c.stats()
-    assert s["engine_copied_loads"] == 300 and s["loads_ok"] == 301
+    assert s["engine_copied_loads"] == 150 and s["loads_ok"] == 301
+
+
+def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_copied_here(pair: Pair) -> None:
+    """Loads started with no poll between: the engine copies the first, the agent the second, and
+    so on (its threads copy while the engine's copies the next); all bit-exact, each reported once.
+    After a poll the next load is copied in ``start_load`` again."""
+    p, pt, c, ct = pair
+    first_load(p, c)
+    rids = [f"s{i}" for i in range(6)]
+    for i, rid in enumerate(rids):
+        c.start_load(rid, p.hold(rid, [10 + 2 * i, 11 + 2 * i], 32), [30 + 2 * i, 31 + 2 * i])
+    out = c.poll()  # the engine's own are done when start_load returns; the agent's come as they finish
+    assert set(rids[0::2]) <= set(out.receiving), out
+    out.extend(received(c, [r for r in rids if r not in out.receiving]))
+    assert sorted(out.receiving) == sorted(rids) and not out.failed
+    assert same(pt, list(range(10, 22)), ct, list(range(30, 42)))
+    assert c.stats()["engine_copied_loads"] == 3
+    c.start_load("alone", p.hold("alone", [50], 16), [55])
+    assert c.poll().receiving == ["alone"]  # copied in start_load: no wait
+    assert same(pt, [50], ct, [55]) and c.stats()["engine_copied_loads"] == 4
+    assert c.poll(0.1).receiving == []  # each reported once
 
 
 def shaped(role: str, engine: str, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16, mla: bool = False,

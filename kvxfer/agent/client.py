@@ -182,6 +182,10 @@ class AgentConnector:
         self._copied = Finished()  # loads _engine_loads copied, reported at the next poll
         self._copied_at: list[float] = []  # when each was copied (the handoff stage)
         self._untold: list[EngineCopied] = []  # copied loads the agent has not been sent yet (_tell_copied)
+        # a burst: loads started with no poll between. Loads this thread copied in it, and loads of
+        # it it could have copied but gave the agent (_share_burst)
+        self._burst_copied = 0
+        self._burst_shared = 0
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
         # the interpreter's switch interval, short while loads are in flight (switch_interval.py)
@@ -482,7 +486,8 @@ class AgentConnector:
                 self._fail_locked(request_id, ids, self._dead)
                 return
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
-        if self._engine_loads is not None and self._copy_here(request_id, params, ids, num_cached_tokens):
+        if self._engine_loads is not None and not self._share_burst() \
+                and self._copy_here(request_id, params, ids, num_cached_tokens):
             return
         self._switch.want(True)  # before the agent has it: its event may come at once
         try:
@@ -492,6 +497,17 @@ class AgentConnector:
                 load = self._loads.pop(request_id, None)
                 if load is not None:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
+
+    def _share_burst(self) -> bool:
+        """Whether this load goes to the agent although this thread could copy it: in a burst
+        (loads started with no ``poll`` between), every other one. The agent's threads then copy
+        one load while this thread copies the next, where this thread alone would copy them all in
+        turn; a load started on its own is still copied here."""
+        with self._lock:
+            if self._burst_copied > self._burst_shared:
+                self._burst_shared += 1
+                return True
+            return False
 
     def _copy_here(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> bool:
         """A recorded load copied by this thread (engine_loads.py); False: the agent must load it
@@ -520,6 +536,7 @@ class AgentConnector:
                 return True
             self._copied.receiving.append(request_id)
             self._copied_at.append(copied)
+            self._burst_copied += 1
             self._outcome_locked(request_id, True)
             self._untold.append(EngineCopied(request_id, params, nbytes, started, planned, copied))
         self._tell_copied()
@@ -626,6 +643,7 @@ class AgentConnector:
             carried, self._carry = self._carry, Finished()
             copied, self._copied = self._copied, Finished()
             copied_at, self._copied_at = self._copied_at, []
+            self._burst_copied = self._burst_shared = 0  # the engine polled: the next load starts a burst
         out.extend(carried)
         out.extend(copied)
         if self._untold:
