@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_agent import NB, cfg, make, released, wait_for
 
+from kvxfer.agent import client
 from kvxfer.agent.client import AgentConnector
 from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import (
@@ -196,8 +197,8 @@ def received(c: EngineConnector, rids: list[str], timeout_s: float = 30.0) -> Fi
 
 def test_a_burst_of_copied_loads_tells_every_producer_hold_without_a_poll_between(pair: Pair) -> None:
     """More copied loads than the agent reads between two of its event turns: none is lost (their
-    holds all come back), and each is reported once. In the burst every other load goes to the
-    agent (the next test)."""
+    holds all come back), and each is reported once. Their bytes stay under SHARE_AFTER_BYTES: the
+    engine copies every one (the next test shares a burst)."""
     p, pt, c, ct = pair
     first_load(p, c)
     rids = [f"b{i}" for i in range(300)]
@@ -208,15 +209,23 @@ def test_a_burst_of_copied_loads_tells_every_producer_hold_without_a_poll_betwee
     assert same(pt, [1 + 299 % 60], ct, [1 + (299 * 7) % 60])
     assert released(p, ["first", *rids], timeout_s=30) == sorted(["first", *rids])
     s = c.stats()
-    assert s["engine_copied_loads"] == 150 and s["loads_ok"] == 301
+    assert s["engine_copied_loads"] == 300 and s["engine_shared_loads"] == 0 and s["loads_ok"] == 301
 
 
-def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_copied_here(pair: Pair) -> None:
-    """Loads started with no poll between: the engine copies the first, the agent the second, and
-    so on (its threads copy while the engine's copies the next); all bit-exact, each reported once.
+def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_copied_here(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads started with no poll between, once the engine has copied SHARE_AFTER_BYTES in them
+    (here: its first load): the agent takes the second, the engine the third, and so on (the
+    agent's threads copy while the engine's copies the next); all bit-exact, each reported once.
     After a poll the next load is copied in ``start_load`` again."""
     p, pt, c, ct = pair
     first_load(p, c)
+    rids = [f"t{i}" for i in range(6)]
+    for i, rid in enumerate(rids):  # the default: a few small loads in a burst stay the engine's
+        c.start_load(rid, p.hold(rid, [10 + i], 16), [30 + i])
+    assert sorted(c.poll().receiving) == sorted(rids)  # copied in start_load: no wait
+    assert c.stats()["engine_shared_loads"] == 0
+    monkeypatch.setattr(client, "SHARE_AFTER_BYTES", 1)
     rids = [f"s{i}" for i in range(6)]
     for i, rid in enumerate(rids):
         c.start_load(rid, p.hold(rid, [10 + 2 * i, 11 + 2 * i], 32), [30 + 2 * i, 31 + 2 * i])
@@ -225,10 +234,11 @@ def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_co
     out.extend(received(c, [r for r in rids if r not in out.receiving]))
     assert sorted(out.receiving) == sorted(rids) and not out.failed
     assert same(pt, list(range(10, 22)), ct, list(range(30, 42)))
-    assert c.stats()["engine_copied_loads"] == 3
+    s = c.stats()
+    assert s["engine_copied_loads"] == 6 + 3 and s["engine_shared_loads"] == 3
     c.start_load("alone", p.hold("alone", [50], 16), [55])
     assert c.poll().receiving == ["alone"]  # copied in start_load: no wait
-    assert same(pt, [50], ct, [55]) and c.stats()["engine_copied_loads"] == 4
+    assert same(pt, [50], ct, [55]) and c.stats()["engine_copied_loads"] == 10
     assert c.poll(0.1).receiving == []  # each reported once
 
 

@@ -87,6 +87,11 @@ AGENT_GRACE_S = 15.0
 # the agent's main thread to the first place; the agent keeps the engine thread's CPU mask instead
 OPENMP_BINDING = frozenset({"OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"})
 MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
+# in a burst of loads (no poll between), the engine's thread copies this many bytes before it gives
+# every other load it could copy to the agent (_share_burst): a step's few small loads stay the
+# engine's (the agent's round trip would report them a poll later), a burst of many is copied on
+# both sides at once
+SHARE_AFTER_BYTES = 8 << 20
 MAX_UNTOLD = 65536  # copied loads kept for an agent that reads none of them (stuck): then given up (logged)
 COPIED_BUFFER = 4 << 20  # the copied channel's send buffer: loads told between two of the agent's reads
 
@@ -143,6 +148,7 @@ class AgentMetrics(ConnectorMetrics):
         engine = owner._engine_loads if owner is not None else None
         out["engine_copied_loads"] = float(engine.copied if engine is not None else 0)
         out["engine_passed_loads"] = float(engine.passed if engine is not None else 0)
+        out["engine_shared_loads"] = float(engine.shared if engine is not None else 0)
         out["engine_producers"] = float(engine.producers if engine is not None else 0)
         if owner is None or owner.broken is not None:
             out["broken"] = 1.0
@@ -182,10 +188,10 @@ class AgentConnector:
         self._copied = Finished()  # loads _engine_loads copied, reported at the next poll
         self._copied_at: list[float] = []  # when each was copied (the handoff stage)
         self._untold: list[EngineCopied] = []  # copied loads the agent has not been sent yet (_tell_copied)
-        # a burst: loads started with no poll between. Loads this thread copied in it, and loads of
-        # it it could have copied but gave the agent (_share_burst)
-        self._burst_copied = 0
-        self._burst_shared = 0
+        # a burst: loads started with no poll between. Bytes this thread copied in it, and whether
+        # the last load it could have copied since SHARE_AFTER_BYTES went to the agent (_share_burst)
+        self._burst_bytes = 0
+        self._burst_shared = False
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
         # the interpreter's switch interval, short while loads are in flight (switch_interval.py)
@@ -486,8 +492,9 @@ class AgentConnector:
                 self._fail_locked(request_id, ids, self._dead)
                 return
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
-        if self._engine_loads is not None and not self._share_burst() \
-                and self._copy_here(request_id, params, ids, num_cached_tokens):
+        engine = self._engine_loads
+        if engine is not None and self._broken is None and engine.fits(ids, num_cached_tokens) \
+                and not self._share_burst(engine) and self._copy_here(request_id, params, ids, num_cached_tokens):
             return
         self._switch.want(True)  # before the agent has it: its event may come at once
         try:
@@ -498,16 +505,19 @@ class AgentConnector:
                 if load is not None:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
 
-    def _share_burst(self) -> bool:
-        """Whether this load goes to the agent although this thread could copy it: in a burst
-        (loads started with no ``poll`` between), every other one. The agent's threads then copy
-        one load while this thread copies the next, where this thread alone would copy them all in
-        turn; a load started on its own is still copied here."""
+    def _share_burst(self, engine: EngineLoads) -> bool:
+        """Whether this load, small enough to copy here, goes to the agent instead: in a burst
+        (loads started with no ``poll`` between), once this thread has copied SHARE_AFTER_BYTES in
+        it, every other one. The agent's threads then copy one load while this thread copies the
+        next, where this thread alone would copy them all in turn. A load started on its own, and a
+        step's few small loads, are still copied here. Counted as ``engine_shared_loads``."""
         with self._lock:
-            if self._burst_copied > self._burst_shared:
-                self._burst_shared += 1
-                return True
-            return False
+            if self._burst_bytes < SHARE_AFTER_BYTES:
+                return False
+            self._burst_shared = not self._burst_shared
+            if self._burst_shared:
+                engine.shared += 1
+            return self._burst_shared
 
     def _copy_here(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> bool:
         """A recorded load copied by this thread (engine_loads.py); False: the agent must load it
@@ -536,7 +546,7 @@ class AgentConnector:
                 return True
             self._copied.receiving.append(request_id)
             self._copied_at.append(copied)
-            self._burst_copied += 1
+            self._burst_bytes += nbytes
             self._outcome_locked(request_id, True)
             self._untold.append(EngineCopied(request_id, params, nbytes, started, planned, copied))
         self._tell_copied()
@@ -643,7 +653,7 @@ class AgentConnector:
             carried, self._carry = self._carry, Finished()
             copied, self._copied = self._copied, Finished()
             copied_at, self._copied_at = self._copied_at, []
-            self._burst_copied = self._burst_shared = 0  # the engine polled: the next load starts a burst
+            self._burst_bytes, self._burst_shared = 0, False  # the engine polled: the next load starts a burst
         out.extend(carried)
         out.extend(copied)
         if self._untold:

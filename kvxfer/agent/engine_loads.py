@@ -86,6 +86,7 @@ class EngineLoads:
         self._shapes: dict[tuple[str, ParallelLayout, int, int], BlockPieces | None] = {}
         self.copied = 0  # loads copied here
         self.passed = 0  # small loads passed to the agent
+        self.shared = 0  # loads of a burst given to the agent although they were small enough (client.py)
 
     def learn(self, engine_id: str, meta: HandshakeResponse) -> None:
         """The agent handshook with producer ``engine_id`` rank ``meta.rank``: read it here from now
@@ -109,10 +110,14 @@ class EngineLoads:
             _, oldest = self._peers.popitem(last=False)
             self.reads.disconnect(oldest.peer_id)
 
+    def fits(self, local_blocks: np.ndarray, skip_tokens: int) -> bool:
+        """Whether a load of these blocks is small enough to be copied here (``max_bytes``)."""
+        return (len(local_blocks) - skip_tokens // self.local_side.block_size) * self.bytes_per_block <= self.max_bytes
+
     def load(self, params: KVTransferParams, local_blocks: np.ndarray, skip_tokens: int) -> tuple[int, float] | None:
         """Copy a checked load (``local_blocks``: one id per local block of the prompt) now: its
         bytes and when its reads were planned; None: the agent must load it."""
-        if (len(local_blocks) - skip_tokens // self.local_side.block_size) * self.bytes_per_block > self.max_bytes:
+        if not self.fits(local_blocks, skip_tokens):
             return None
         ranks = {r.rank: r for r in params.ranks}
         local = local_blocks.tolist()
