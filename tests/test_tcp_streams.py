@@ -221,7 +221,7 @@ def test_reads_queued_on_one_stream_are_pipelined_and_arrive_bit_exact(transport
 
 def test_a_refused_read_among_pipelined_ones_fails_alone() -> None:
     """A refusal in the middle of a pipeline fails that read (its code kept); the reads sent
-    behind it on the dropped connection are sent again on a new one and arrive bit-exact."""
+    behind it go on on the same connection and arrive bit-exact."""
     pair = Pair("unix", streams=1)
     try:
         slow = pair.read("slow", 1)
@@ -235,5 +235,8 @@ def test_a_refused_read_among_pipelined_ones_fails_alone() -> None:
             res = pair.wait_for(batch)
             assert res is not None and res.ok, res
         assert same(pair, [1, 3, 4, 5]) and not pair.dst[2 * STRIDE:3 * STRIDE].any()
+        with pair.producer._lock:
+            assert len(pair.producer._conns) == 1  # the refusal left the connection in step
+        assert pair.consumer._streams["p"][0].outstanding == 0
     finally:
         pair.close()

@@ -162,6 +162,9 @@ class _Stream:
                     self.handed_over += 1
                     self.jobs.put(_RESUME)
                 return True
+            except ReadRefused as e:
+                self._refused(job, e)
+                return True
             except Exception as e:
                 self._failed(job, e)
                 return True
@@ -199,9 +202,10 @@ class _Stream:
     def _run_jobs(self, todo: list[_Job]) -> bool:
         """``todo`` and the jobs queued meanwhile, in order, with up to PIPELINE_DEPTH requests
         out on the connection at once: the producer reads the next request as soon as it has sent
-        one reply, so jobs queued together leave no round trip idle between them. A failure drops
-        the connection and fails the job whose reply was awaited; the requests sent after it went
-        down with the connection and are sent again on the next one. True: the stream closes."""
+        one reply, so jobs queued together leave no round trip idle between them. A refusal (a whole
+        reply) fails its job alone and the connection goes on; any other failure drops the
+        connection and fails the job whose reply was awaited, and the requests sent after it, gone
+        with the connection, are sent again on the next one. True: the stream closes."""
         closing = False
         while todo:
             while not closing and len(todo) < PIPELINE_DEPTH:
@@ -226,6 +230,10 @@ class _Stream:
                         break  # a large request waits its turn, and those after it too (their order)
                     self._request(self.sock, j)
                 self._do(self.sock, job, job.deadline)
+            except ReadRefused as e:
+                todo.pop(0)
+                self._refused(job, e)
+                continue
             except Exception as e:
                 todo.pop(0)
                 self._failed(job, e)
@@ -236,8 +244,12 @@ class _Stream:
             self.plane._part_done(self, job, None, None)
         return closing
 
+    def _refused(self, job: _Job, e: ReadRefused) -> None:
+        """The producer refused a part: its whole reply was read, so the connection stays in step."""
+        self.plane._part_done(self, job, e.code, f"peer {self.peer_id}: {describe(e)}")
+
     def _failed(self, job: _Job, e: Exception) -> None:
-        """A part failed: the connection is dropped (a refusal too: simplest to keep in step)."""
+        """A part failed (not refused: ``_refused``): the connection is dropped, its state unknown."""
         self._drop()
         if not isinstance(e, OSError | ReadRefused | ValueError):  # not a peer's doing: a bug
             report("tcp stream", e, f"read for {job.request_id} from {self.peer_id}")
