@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_agent import NB, cfg, make, released, wait_for
 
-from kvxfer.agent import client
+from kvxfer.agent import engine_copies
 from kvxfer.agent.client import AgentConnector
 from kvxfer.cache import allocate_kv_cache, spec_from_config
 from kvxfer.config import (
@@ -225,7 +225,7 @@ def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_co
         c.start_load(rid, p.hold(rid, [10 + i], 16), [30 + i])
     assert sorted(c.poll().receiving) == sorted(rids)  # copied in start_load: no wait
     assert c.stats()["engine_shared_loads"] == 0
-    monkeypatch.setattr(client, "SHARE_AFTER_BYTES", 1)
+    monkeypatch.setattr(engine_copies, "SHARE_AFTER_BYTES", 1)
     rids = [f"s{i}" for i in range(6)]
     for i, rid in enumerate(rids):
         c.start_load(rid, p.hold(rid, [10 + 2 * i, 11 + 2 * i], 32), [30 + 2 * i, 31 + 2 * i])

@@ -20,13 +20,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +32,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.channel import Channel, ChannelClosed
-from kvxfer.agent.engine_loads import EngineLoads
+from kvxfer.agent.engine_copies import EngineCopies
 from kvxfer.agent.messages import (
     AbandonLoad,
     Close,
@@ -58,21 +55,19 @@ from kvxfer.agent.messages import (
     Stats,
     Wait,
 )
+from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.shared import share_tensors
+from kvxfer.agent.spawn import spawn_agent
 from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
 from kvxfer.connector import check_cache, check_rank
-from kvxfer.dataplane import load_data_plane
-from kvxfer.metrics import ConnectorMetrics
 from kvxfer.protocol import ErrorCode, KVTransferParams, PushTarget
-from kvxfer.supervise import report
 from kvxfer.switch_interval import SwitchInterval
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.consumer import AlreadyLoading
-from kvxfer.transfer.load import EngineCopied, checked_load_ids
-from kvxfer.transfer.planner import SideLayout
+from kvxfer.transfer.load import checked_load_ids
 
 logger = logging.getLogger(__name__)
 
@@ -83,17 +78,7 @@ COMMAND_S = 30.0  # an agent answers commands at once; this long without an answ
 # past a load's deadline the agent itself fails it; this much later, we do (kill it: hung). Generous: an
 # agent starved of CPU on a loaded host (seen with a load average of 50 on 2 cores) is late, not hung
 AGENT_GRACE_S = 15.0
-# an engine's OpenMP binding (vLLM's CPU workers set it): the agent's own OpenMP runtime would pin
-# the agent's main thread to the first place; the agent keeps the engine thread's CPU mask instead
-OPENMP_BINDING = frozenset({"OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"})
 MAX_OUTCOMES = 4096  # finished loads whose outcome wait_layer still answers
-# in a burst of loads (no poll between), the engine's thread copies this many bytes before it gives
-# every other load it could copy to the agent (_share_burst): a step's few small loads stay the
-# engine's (the agent's round trip would report them a poll later), a burst of many is copied on
-# both sides at once
-SHARE_AFTER_BYTES = 8 << 20
-MAX_UNTOLD = 65536  # copied loads kept for an agent that reads none of them (stuck): then given up (logged)
-COPIED_BUFFER = 4 << 20  # the copied channel's send buffer: loads told between two of the agent's reads
 
 
 @dataclass
@@ -102,57 +87,6 @@ class _Load:
 
     block_ids: np.ndarray
     deadline: float
-
-
-class AgentMetrics(ConnectorMetrics):
-    """The agent's counters, fetched when read (for ``stats()`` and the Prometheus endpoint)."""
-
-    def __init__(self, owner: AgentConnector, engine_id: str, rank: int, plane: str) -> None:
-        super().__init__(engine_id, rank, plane)
-        self.owner = weakref.ref(owner)  # no cycle: a closed connector and its cache go at once
-        self.last: dict[str, float] = {}
-        self.handoff_s = 0.0  # event sent by the agent until poll handed it to the engine
-        self.handoffs = 0
-        self.copied_handoff_s = 0.0  # a load the engine copied, until poll handed it over
-        self.copied_handoffs = 0
-
-    def copied_handed_over(self, loads: int, seconds: float) -> None:
-        """``loads`` loads the engine copied itself reached ``poll``, ``seconds`` after their copies (summed)."""
-        with self._lock:
-            self.copied_handoffs += loads
-            self.copied_handoff_s += seconds
-
-    def handed_over(self, loads: int, seconds: float) -> None:
-        """``loads`` finished loads reached the engine's ``poll``, ``seconds`` after the agent sent them (summed)."""
-        with self._lock:
-            self.handoffs += loads
-            self.handoff_s += seconds
-
-    def snapshot(self) -> dict[str, float]:
-        owner = self.owner()
-        stats = owner._fetch_stats() if owner is not None else None
-        if stats is not None:
-            with self._lock:
-                self.last = dict(stats.snapshot)
-                self.failed_by_code.clear()
-                self.failed_by_code.update(stats.failed_by_code)
-                for h, s in ((self.handshake_latency, stats.handshake), (self.transfer_latency, stats.transfer)):
-                    h.counts, h.sum, h.count = list(s.counts), s.sum, s.count
-        with self._lock:
-            out = dict(self.last)
-            # the handoff stage ends when the engine's poll has it: the agent's event hop counts too
-            out["stage_handoff_s"] = out.get("stage_handoff_s", 0.0) + self.handoff_s + self.copied_handoff_s
-            out["stage_handoffs"] = out.get("stage_handoffs", 0.0) + self.copied_handoffs  # the agent's count the rest
-            out["agent_handoff_s"] = self.handoff_s
-            out["agent_handoffs"] = float(self.handoffs)
-        engine = owner._engine_loads if owner is not None else None
-        out["engine_copied_loads"] = float(engine.copied if engine is not None else 0)
-        out["engine_passed_loads"] = float(engine.passed if engine is not None else 0)
-        out["engine_shared_loads"] = float(engine.shared if engine is not None else 0)
-        out["engine_producers"] = float(engine.producers if engine is not None else 0)
-        if owner is None or owner.broken is not None:
-            out["broken"] = 1.0
-        return out
 
 
 class AgentConnector:
@@ -183,15 +117,7 @@ class AgentConnector:
         self._landed: dict[str, set[int]] = {}  # push loads in flight: layers landed so far
         self._outcomes: OrderedDict[str, bool] = OrderedDict()  # finished loads: ok or not
         self._broken: str | None = None  # the agent's own reason, from its events
-        self._engine_loads: EngineLoads | None = None  # small loads this process copies itself (engine_loads.py)
-        self._engine_lock = threading.Lock()  # one thread in _engine_loads at a time
-        self._copied = Finished()  # loads _engine_loads copied, reported at the next poll
-        self._copied_at: list[float] = []  # when each was copied (the handoff stage)
-        self._untold: list[EngineCopied] = []  # copied loads the agent has not been sent yet (_tell_copied)
-        # a burst: loads started with no poll between. Bytes this thread copied in it, and whether
-        # the last load it could have copied since SHARE_AFTER_BYTES went to the agent (_share_burst)
-        self._burst_bytes = 0
-        self._burst_shared = False
+        self._engine_copies: EngineCopies | None = None  # small loads this process copies itself
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
         # the interpreter's switch interval, short while loads are in flight (switch_interval.py)
@@ -210,31 +136,11 @@ class AgentConnector:
         shared = share_tensors(cache)
         if self.device_cache is not None:
             pin_for(self.device_cache, cache)  # pinned where it now lives, in shared memory
-        engine_cmd, agent_cmd = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        engine_evt, agent_evt = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        engine_cp, agent_cp = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._commands = Channel(engine_cmd, Reply)
-        self._events = Channel(engine_evt, Event)
-        engine_cp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, COPIED_BUFFER)  # a burst, between its reads
-        self._copied_channel = Channel(engine_cp, Reply)  # EngineCopied, sent only (messages.py doc)
-        fds = [agent_cmd.fileno(), agent_evt.fileno(), agent_cp.fileno(), *(t.fd for t in shared)]
-        env = {k: v for k, v in os.environ.items() if k not in OPENMP_BINDING}
-        env["KVXFER_AGENT_LOG_LEVEL"] = str(logging.getLogger("kvxfer").getEffectiveLevel())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # kvxfer and plugins as the engine finds them
         try:
-            any_cpu = ["--any-cpu"] if self.config.connector.agent_cpus == "any" else []
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvxfer.agent", str(agent_cmd.fileno()), str(agent_evt.fileno()),
-                 str(agent_cp.fileno()), *any_cpu],
-                pass_fds=fds, env=env, close_fds=True)
+            self.process, self._commands, self._events, self._copied_channel = spawn_agent(self.config, shared)
         except OSError as e:
-            self._teardown()
             unpin(cache)
             raise RuntimeError(f"rank {self.rank}: cannot start the transfer agent: {e}") from None
-        finally:
-            agent_cmd.close()
-            agent_evt.close()
-            agent_cp.close()
         start = Start(config=msgspec.to_builtins(self.config), rank=self.rank, tensors=shared,
                       num_blocks=cache.num_blocks, sys_path=[p for p in sys.path if p])
         try:
@@ -250,26 +156,10 @@ class AgentConnector:
             raise
         self.ready = reply
         self.cache = cache
-        self._engine_loads = self._make_engine_loads(cache)
+        self._engine_copies = EngineCopies.for_rank(self.config, self.rank, cache, self._switch) \
+            if self.device_cache is None else None  # a staged load must be copied to the device: the agent's
         logger.info("rank %d: transfer agent pid %d serves the side channel on port %d (%s)", self.rank,
                     self.process.pid, reply.port, reply.plane)
-
-    def _make_engine_loads(self, cache: KVCache) -> EngineLoads | None:
-        """The small loads this process may copy itself, if its plane reads one-sided (engine_loads.py)."""
-        conn = self.config.connector
-        if (self.config.role not in ("decode", "both") or conn.engine_copy_bytes == 0 or conn.mode != "pull"
-                or self.device_cache is not None):
-            return None
-        try:
-            reads = load_data_plane(conn.name).engine_reads(conn.data_plane, cache.regions)
-        except Exception as e:  # the agent loads everything, as before
-            report("engine reads", e, f"rank {self.rank}: the transfer agent loads every request")
-            return None
-        if reads is None:
-            return None
-        return EngineLoads(reads, self.layout, self.tp_rank, self.pp_rank, SideLayout.from_cache(cache),
-                           conn.engine_copy_bytes, cache.spec.bytes_per_block,
-                           conn.engine_copy_release_gil_bytes or None, self._switch)
 
     @property
     def side_channel_port(self) -> int:
@@ -302,10 +192,9 @@ class AgentConnector:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
         with self._poll_lock:
             self._teardown(wait_s=10.0)
-        with self._engine_lock:
-            if self._engine_loads is not None:
-                self._engine_loads.close()
-                self._engine_loads = None
+        copies, self._engine_copies = self._engine_copies, None
+        if copies is not None:
+            copies.close()
         if self.cache is not None:
             unpin(self.cache)  # the host mirror's pinning (a device cache's), once the agent is gone
 
@@ -492,9 +381,9 @@ class AgentConnector:
                 self._fail_locked(request_id, ids, self._dead)
                 return
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
-        engine = self._engine_loads
-        if engine is not None and self._broken is None and engine.fits(ids, num_cached_tokens) \
-                and not self._share_burst(engine) and self._copy_here(request_id, params, ids, num_cached_tokens):
+        copies = self._engine_copies
+        if copies is not None and self._broken is None and copies.fits(ids, num_cached_tokens) \
+                and not copies.share_burst() and self._copy_here(copies, request_id, params, ids, num_cached_tokens):
             return
         self._switch.want(True)  # before the agent has it: its event may come at once
         try:
@@ -505,81 +394,27 @@ class AgentConnector:
                 if load is not None:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
 
-    def _share_burst(self, engine: EngineLoads) -> bool:
-        """Whether this load, small enough to copy here, goes to the agent instead: in a burst
-        (loads started with no ``poll`` between), once this thread has copied SHARE_AFTER_BYTES in
-        it, every other one. The agent's threads then copy one load while this thread copies the
-        next, where this thread alone would copy them all in turn. A load started on its own, and a
-        step's few small loads, are still copied here. Counted as ``engine_shared_loads``."""
-        with self._lock:
-            if self._burst_bytes < SHARE_AFTER_BYTES:
-                return False
-            self._burst_shared = not self._burst_shared
-            if self._burst_shared:
-                engine.shared += 1
-            return self._burst_shared
-
-    def _copy_here(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> bool:
-        """A recorded load copied by this thread (engine_loads.py); False: the agent must load it
+    def _copy_here(self, copies: EngineCopies, request_id: str, params: KVTransferParams, ids: np.ndarray,
+                   num_cached_tokens: int) -> bool:
+        """A recorded load copied by this thread (engine_copies.py); False: the agent must load it
         (as it must every load once it says it is broken: it fails them, as without copies here)."""
-        if self._broken is not None or not self._engine_lock.acquire(blocking=False):
+        if self._broken is not None:
             return False
-        started = time.monotonic()
         try:
-            engine = self._engine_loads
-            got = engine.load(params, ids, num_cached_tokens) if engine is not None else None
-        except Exception as e:  # a bug here must not fail a load the agent can make
-            report("engine reads", e, f"request {request_id} (loaded by the transfer agent instead)")
-            got = None
+            copied = copies.copy(request_id, params, ids, num_cached_tokens)
         except BaseException:  # interrupted: the load never started (the caller gets the exception)
             with self._lock:
                 self._loads.pop(request_id, None)
             raise
-        finally:
-            self._engine_lock.release()
-        if got is None:
+        if copied is None:
             return False
-        nbytes, planned = got
-        copied = time.monotonic()
         with self._lock:
             if self._loads.pop(request_id, None) is None:  # failed meanwhile (the agent died): reported so
                 return True
-            self._copied.receiving.append(request_id)
-            self._copied_at.append(copied)
-            self._burst_bytes += nbytes
             self._outcome_locked(request_id, True)
-            self._untold.append(EngineCopied(request_id, params, nbytes, started, planned, copied))
-        self._tell_copied()
+        copies.copied(copied)
+        copies.tell(self._copied_channel, self._dead)
         return True
-
-    def _tell_copied(self) -> None:
-        """Tell the agent which loads were copied here (it sends their done notices), on the channel
-        it reads with its periodic events; never waits: what the socket has no room for now stays
-        in ``_untold`` for the next call (a later load's, or ``poll``). If the agent is gone, or
-        ``MAX_UNTOLD`` wait, the producers' holds end at their leases instead (logged)."""
-        ch = self._copied_channel
-        with self._lock:
-            untold, self._untold = self._untold, []
-        if not untold:
-            return
-        why = None
-        if ch is None or self._dead is not None:
-            why = self._dead or "no agent"
-        else:
-            try:
-                while untold and ch.writable():
-                    ch.send(untold[0], COMMAND_S)
-                    untold.pop(0)
-            except (ChannelClosed, TimeoutError, OSError) as e:
-                why = str(e)
-        if why is None and len(untold) <= MAX_UNTOLD:
-            with self._lock:
-                self._untold[:0] = untold
-            return
-        if why is None:
-            why = f"the agent has not read {len(untold)} before them"
-        logger.warning("rank %d: %d loads (request %s, ...) were loaded, but their producers are not told (%s); "
-                       "their holds end at their leases", self.rank, len(untold), untold[0].request_id, why)
 
     def reserve(self, request_id: str, local_block_ids: Sequence[int] | np.ndarray, num_tokens: int,
                 num_cached_tokens: int = 0) -> PushTarget:
@@ -651,13 +486,12 @@ class AgentConnector:
         out = Finished()
         with self._lock:
             carried, self._carry = self._carry, Finished()
-            copied, self._copied = self._copied, Finished()
-            copied_at, self._copied_at = self._copied_at, []
-            self._burst_bytes, self._burst_shared = 0, False  # the engine polled: the next load starts a burst
         out.extend(carried)
+        copies = self._engine_copies
+        copied, copied_at = copies.take() if copies is not None else (Finished(), [])
         out.extend(copied)
-        if self._untold:
-            self._tell_copied()
+        if copies is not None and copies.untold:
+            copies.tell(self._copied_channel, self._dead)
         if copied_at:
             self.metrics.copied_handed_over(len(copied_at), len(copied_at) * time.monotonic() - sum(copied_at))
         self._read_events(0.0 if carried or copied else timeout_s, out)
@@ -695,14 +529,9 @@ class AgentConnector:
         """One event into ``out``: only loads still recorded here (one the agent's death already
         failed is not reported twice)."""
         now = time.monotonic()
-        if ev.peers and self._engine_loads is not None:
-            with self._engine_lock:
-                for p in ev.peers:
-                    try:
-                        if self._engine_loads is not None:
-                            self._engine_loads.learn(p.engine_id, p.meta)
-                    except Exception as e:  # its loads go to the agent, as they did
-                        report("engine reads", e, f"producer {p.engine_id} rank {p.meta.rank} (read by the agent)")
+        copies = self._engine_copies
+        if ev.peers and copies is not None:
+            copies.learn(ev.peers)
         with self._lock:
             done = [(rid, self._loads.pop(rid)) for rid in ev.receiving if rid in self._loads]
             failed = [rid for rid in ev.failed if self._loads.pop(rid, None) is not None]
