@@ -12,7 +12,8 @@ exits, or holds a load past its deadline plus ``AGENT_GRACE_S``, is killed and r
 Threads: the engine's threads call in, no thread of its own. ``_command_lock`` orders
 commands (one in flight); ``_poll_lock`` makes one ``poll`` at a time (it owns the event
 channel); ``_lock`` guards the loads, holds, pending failures and ``_dead``, and is never held
-across a blocking call.
+across a blocking call. Lock order: ``_poll_lock``, then ``_lock``, then the ``EngineCopies``' own
+(a load moves from ``_loads`` to the copied ones in one step under both).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class AgentConnector:
         try:
             self.process, self._commands, self._events, self._copied_channel = spawn_agent(self.config, shared)
         except OSError as e:
+            self._teardown()
             unpin(cache)
             raise RuntimeError(f"rank {self.rank}: cannot start the transfer agent: {e}") from None
         start = Start(config=msgspec.to_builtins(self.config), rank=self.rank, tensors=shared,
@@ -192,7 +194,10 @@ class AgentConnector:
                 logger.warning("rank %d: transfer agent did not close cleanly: %s", self.rank, e)
         with self._poll_lock:
             self._teardown(wait_s=10.0)
-        copies, self._engine_copies = self._engine_copies, None
+        with self._lock:  # copied loads not polled yet: the next poll still reports them
+            copies, self._engine_copies = self._engine_copies, None
+            if copies is not None:
+                self._carry.extend(copies.take()[0])
         if copies is not None:
             copies.close()
         if self.cache is not None:
@@ -408,11 +413,11 @@ class AgentConnector:
             raise
         if copied is None:
             return False
-        with self._lock:
+        with self._lock:  # one step: the load is in _loads or in the copies, for any poll
             if self._loads.pop(request_id, None) is None:  # failed meanwhile (the agent died): reported so
                 return True
             self._outcome_locked(request_id, True)
-        copies.copied(copied)
+            copies.copied(copied)
         copies.tell(self._copied_channel, self._dead)
         return True
 
@@ -486,9 +491,9 @@ class AgentConnector:
         out = Finished()
         with self._lock:
             carried, self._carry = self._carry, Finished()
+            copies = self._engine_copies
+            copied, copied_at = copies.take() if copies is not None else (Finished(), [])
         out.extend(carried)
-        copies = self._engine_copies
-        copied, copied_at = copies.take() if copies is not None else (Finished(), [])
         out.extend(copied)
         if copies is not None and copies.untold:
             copies.tell(self._copied_channel, self._dead)

@@ -7,7 +7,8 @@ kept apart from the connector's own (the loads in the agent, the holds, the agen
 
 Threads: the engine's. ``_copy_lock`` lets one thread copy at a time (another thread's load
 goes to the agent meanwhile); ``_lock`` guards the copied loads, the untold ones and the burst,
-and is never held across a copy or a send.
+and is never held across a copy or a send. The connector calls ``copied`` and ``take`` under its
+own lock (taken first: this class never takes the connector's).
 """
 
 from __future__ import annotations
@@ -61,12 +62,14 @@ class EngineCopies:
         # last load that could have been copied since SHARE_AFTER_BYTES went to the agent
         self._burst_bytes = 0
         self._burst_shared = False
+        self._closed = False
 
     @classmethod
     def for_rank(cls, config: InstanceConfig, rank: int, cache: KVCache, switch: SwitchInterval
                  ) -> EngineCopies | None:
         """The copies of a decode rank whose plane reads one-sided (``DataPlane.engine_reads``:
-        cma) in pull mode with ``engine_copy_bytes``; else None (the agent loads everything)."""
+        cma) in pull mode with ``engine_copy_bytes``; else None (the agent loads everything). The
+        caller makes none for a staged cache (a load must reach the device: the agent's)."""
         conn = config.connector
         if config.role not in ("decode", "both") or conn.engine_copy_bytes == 0 or conn.mode != "pull":
             return None
@@ -106,6 +109,9 @@ class EngineCopies:
         load is not one this rank copies, or copying it failed: a bug here must not fail a load
         the agent can make). An interrupt propagates (the load never started)."""
         if not self._copy_lock.acquire(blocking=False):
+            return None
+        if self._closed:
+            self._copy_lock.release()
             return None
         started = time.monotonic()
         try:
@@ -171,6 +177,8 @@ class EngineCopies:
     def learn(self, peers: Sequence[PeerKnown]) -> None:
         """Producer ranks the agent handshook with: copied from here on where the plane can."""
         with self._copy_lock:
+            if self._closed:
+                return
             for p in peers:
                 try:
                     self.loads.learn(p.engine_id, p.meta)
@@ -183,4 +191,5 @@ class EngineCopies:
 
     def close(self) -> None:
         with self._copy_lock:
+            self._closed = True
             self.loads.close()

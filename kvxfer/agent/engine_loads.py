@@ -27,7 +27,7 @@ shape of the whole load, made per prompt length, and over ``MAX_PIECES`` pieces 
 per-block piece that fills its block is copied once per run of consecutive block ids: a contiguous
 16 MiB load is 64 copies, not 512.
 
-Threads: the engine's; the owning ``AgentConnector`` serialises calls (its ``_engine_lock``).
+Threads: the engine's; the owning ``EngineCopies`` serialises calls (its ``_copy_lock``).
 """
 
 from __future__ import annotations
