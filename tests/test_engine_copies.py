@@ -115,6 +115,21 @@ def test_a_ucx_plane_with_same_host_cma_has_its_small_loads_copied_by_the_engine
         p.close()
 
 
+def test_a_copy_with_the_gil_kept_has_the_short_switch_interval_until_the_poll_that_reports_it(
+        pair: Pair) -> None:
+    """The engine's thread copying a load (GIL kept) may still lose the GIL to a busy thread of the
+    engine between its steps, and then waits an interval to go on: the interval is the short one
+    from start_load on, and the engine's own again once poll has handed the load over."""
+    p, pt, c, ct = pair
+    first_load(p, c)
+    assert c.poll().receiving == [] and sys.getswitchinterval() != pytest.approx(0.0005)
+    c.start_load("kept", p.hold("kept", [3, 4], 32), [13, 14])
+    assert sys.getswitchinterval() == pytest.approx(0.0005), "copied, not yet handed to poll"
+    assert c.poll().receiving == ["kept"] and c.stats()["engine_copied_loads"] == 1
+    assert same(pt, [3, 4], ct, [13, 14])
+    assert sys.getswitchinterval() != pytest.approx(0.0005)
+
+
 @pytest.mark.parametrize("pair", [({"engine_copy_release_gil_bytes": 1}, {})], indirect=True)
 def test_a_large_load_is_copied_with_the_gil_released_and_the_short_switch_interval(pair: Pair) -> None:
     """A load of engine_copy_release_gil_bytes or more: copied in start_load bit-exact, the

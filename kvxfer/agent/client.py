@@ -158,7 +158,7 @@ class AgentConnector:
             raise
         self.ready = reply
         self.cache = cache
-        self._engine_copies = EngineCopies.for_rank(self.config, self.rank, cache, self._switch) \
+        self._engine_copies = EngineCopies.for_rank(self.config, self.rank, cache) \
             if self.device_cache is None else None  # a staged load must be copied to the device: the agent's
         logger.info("rank %d: transfer agent pid %d serves the side channel on port %d (%s)", self.rank,
                     self.process.pid, reply.port, reply.plane)
@@ -386,11 +386,13 @@ class AgentConnector:
                 self._fail_locked(request_id, ids, self._dead)
                 return
             self._loads[request_id] = _Load(ids, self.clock() + self.config.connector.timeouts.transfer_s)
+        # short from here until the poll that reports the load: a copy here waits for the GIL too
+        # (after a busy thread of the engine took it), and the agent's event may come at once
+        self._switch.want(True)
         copies = self._engine_copies
         if copies is not None and self._broken is None and copies.fits(ids, num_cached_tokens) \
                 and not copies.share_burst() and self._copy_here(copies, request_id, params, ids, num_cached_tokens):
             return
-        self._switch.want(True)  # before the agent has it: its event may come at once
         try:
             self._send_only(StartLoad(request_id, params, ids.tolist(), num_cached_tokens))
         except RuntimeError:

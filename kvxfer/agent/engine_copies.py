@@ -29,7 +29,6 @@ from kvxfer.connector import check_rank
 from kvxfer.dataplane import load_data_plane
 from kvxfer.protocol import KVTransferParams
 from kvxfer.supervise import report
-from kvxfer.switch_interval import SwitchInterval
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.aggregator import Finished
 from kvxfer.transfer.load import EngineCopied
@@ -65,8 +64,7 @@ class EngineCopies:
         self._closed = False
 
     @classmethod
-    def for_rank(cls, config: InstanceConfig, rank: int, cache: KVCache, switch: SwitchInterval
-                 ) -> EngineCopies | None:
+    def for_rank(cls, config: InstanceConfig, rank: int, cache: KVCache) -> EngineCopies | None:
         """The copies of a decode rank whose plane reads one-sided (``DataPlane.engine_reads``:
         cma) in pull mode with ``engine_copy_bytes``; else None (the agent loads everything). The
         caller makes none for a staged cache (a load must reach the device: the agent's)."""
@@ -83,7 +81,7 @@ class EngineCopies:
         layout = ParallelLayout.from_config(config)
         tp_rank, pp_rank = check_rank(config, rank)
         loads = EngineLoads(reads, layout, tp_rank, pp_rank, SideLayout.from_cache(cache), conn.engine_copy_bytes,
-                            cache.spec.bytes_per_block, conn.engine_copy_release_gil_bytes or None, switch)
+                            cache.spec.bytes_per_block, conn.engine_copy_release_gil_bytes or None)
         return cls(loads, rank)
 
     def fits(self, block_ids: np.ndarray, num_cached_tokens: int) -> bool:

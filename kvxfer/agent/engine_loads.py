@@ -41,7 +41,6 @@ import numpy as np
 
 from kvxfer.dataplane import BlockPieces, EngineReads
 from kvxfer.protocol import HandshakeResponse, KVTransferParams
-from kvxfer.switch_interval import SwitchInterval
 from kvxfer.topology import ParallelLayout, SourceSlice, remote_sources
 from kvxfer.transfer.load import Peer
 from kvxfer.transfer.planner import DirectPlan, SideLayout
@@ -66,14 +65,13 @@ class EngineLoads:
 
     def __init__(self, reads: EngineReads, layout: ParallelLayout, tp_rank: int, pp_rank: int,
                  local_side: SideLayout, max_bytes: int, bytes_per_block: int,
-                 release_gil_bytes: int | None = None, switch: SwitchInterval | None = None) -> None:
+                 release_gil_bytes: int | None = None) -> None:
         self.reads = reads
-        # copies of this many bytes or more let the GIL go (connector.engine_copy_release_gil_bytes; None:
-        # never), the engine's switch interval made short first: kept through a copy longer than the
-        # interval, a busy thread of the engine would take the GIL mid-copy and the engine wait an
-        # interval to go on
+        # copies of this many bytes or more let the GIL go (connector.engine_copy_release_gil_bytes;
+        # None: never; the connector made the engine's switch interval short first): kept through a
+        # copy longer than the interval, a busy thread of the engine would take the GIL mid-copy and
+        # the engine wait an interval to go on
         self.release_gil_bytes = release_gil_bytes
-        self.switch = switch
         self.layout = layout
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -142,8 +140,6 @@ class EngineLoads:
             reads.extend(rank_reads)
         nbytes = sum(bp.bytes_for(len(rb)) for _, bp, rb, _ in reads)
         release = self.release_gil_bytes is not None and nbytes >= self.release_gil_bytes
-        if release and self.switch is not None:
-            self.switch.want(True)  # the wait for the GIL after the copy: one short interval
         planned = time.monotonic()
         if not self.reads.read_blocks(params.request_id, reads, release_gil=release):
             self.passed += 1

@@ -7,7 +7,7 @@ ids contiguous or random on both sides. Two processes: a producer (the prefill r
 this process (the decode rank). For each pattern and size, in the same run:
 
 - each installed connector pulls the request (hold on the producer, ``start_load`` + ``poll``
-  here; the holds are made ``HELD_AHEAD`` at a time, untimed, so loads run back to back as the
+  here; the holds are made ahead, untimed, while loads run, so loads run back to back as the
   peers' reads do), and the bytes that arrived are checked against the bytes that left;
 - baselines: ``memcpy`` of the same number of bytes inside this process (the limit on one
   machine); ``raw socket``: the producer ``sendmsg``s the connector's own descriptor list over
@@ -64,6 +64,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,42 @@ def _unusable(name: str, data_path: str | None) -> str | None:
     return None
 
 
-HELD_AHEAD = 8  # holds made per request to the producer (see Bench._load_fn)
+HELD_AHEAD = 16  # holds made per request to the producer (see _HeldAhead)
+
+
+@dataclass
+class _HeldAhead:
+    """Holds on the producer made ahead of one measurement's loads, HELD_AHEAD per request to the
+    producer process, the next request sent when half are left: its answer comes while loads run,
+    so no load waits for it (a busy producer's engine answers after its GIL's switch intervals, ms),
+    and loads run back to back. The bench's pipe has at most one such request out (``collect``
+    takes its answer before any other message)."""
+
+    name: str
+    src_ids: list[int]
+    tokens: int
+    ready: list[KVTransferParams] = field(default_factory=list)
+    asked: bool = False
+
+    def next(self, bench: Bench) -> KVTransferParams:
+        if self.asked and (not self.ready or bench.pipe.poll(0)):
+            self.collect(bench)
+        if not self.ready:
+            self._ask(bench)
+            self.collect(bench)
+        if len(self.ready) <= HELD_AHEAD // 2 and not self.asked:
+            self._ask(bench)
+        return self.ready.pop(0)
+
+    def _ask(self, bench: Bench) -> None:
+        bench.pipe.send(("holds", self.name, [self.src_ids] * HELD_AHEAD, self.tokens))
+        self.asked = True
+
+    def collect(self, bench: Bench) -> None:
+        """The answer to the request out, if any (waits for it)."""
+        if self.asked:
+            self.asked = False
+            self.ready.extend(KVTransferParams.from_bytes(b) for b in bench._recv())
 
 
 class Bench:
@@ -156,7 +192,7 @@ class Bench:
         self.layout = ParallelLayout.from_config(cfg)
         self.bytes_per_block = spec_from_config(cfg).bytes_per_block
         self.conc: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # --concurrency's requests
-        self._ahead: list[tuple[str, list[KVTransferParams]]] = []  # holds made ahead, per connector
+        self._ahead: list[_HeldAhead] = []  # holds made ahead, per measurement
 
     def run(self) -> list[dict[str, Any]]:
         args = self.args
@@ -164,6 +200,7 @@ class Bench:
         self.pipe, child = ctx.Pipe()
         proc = ctx.Process(target=producer, args=(self.names, self.num_blocks, child, args.data_path), daemon=True)
         proc.start()
+        self.producer_proc = proc
         try:
             raw_path = self._recv()
             self.cache = bench_cache(self.num_blocks, fill=False)
@@ -244,20 +281,17 @@ class Bench:
         return lat
 
     def _load_fn(self, name: str, conn: Conn, src: np.ndarray, dst: np.ndarray, poll: str) -> Callable[[], float]:
-        src_ids, dst_ids, tokens = src.tolist(), dst.tolist(), len(src) * BLOCK
-        ready: list[KVTransferParams] = []
-        self._ahead.append((name, ready))  # what the measurement leaves unused is released after it
+        dst_ids = dst.tolist()
+        ahead = _HeldAhead(name, src.tolist(), len(src) * BLOCK)
+        self._ahead.append(ahead)  # what the measurement leaves unused is released after it
 
         def load() -> float:
             """One pull, timed from start_load to the poll that reported it. The producer's holds are
-            made HELD_AHEAD at a time and not counted, so loads run back to back, as the peers' reads
-            do: a hold on a busy producer waits for its engine's GIL (ms), and on these VMs a load
-            that follows ms of idleness runs every stage at about half speed (cold caches), which
-            would measure the pacing, not the transfer (see docs/benchmarks.md, session 10)."""
-            if not ready:
-                self.pipe.send(("holds", name, [src_ids] * HELD_AHEAD, tokens))
-                ready.extend(KVTransferParams.from_bytes(b) for b in self._recv())
-            params = ready.pop(0)
+            made ahead and not counted (``_HeldAhead``), so loads run back to back, as the peers'
+            reads do: a hold on a busy producer waits for its engine's GIL (ms), and on these VMs a
+            load that follows ms of idleness runs every stage at about half speed (cold caches),
+            which would measure the pacing, not the transfer (see docs/benchmarks.md, session 10)."""
+            params = ahead.next(self)
             t0 = time.perf_counter()
             conn.start_load(params.request_id, params, dst_ids)
             self._wait_all(name, conn, {params.request_id: t0}, poll)
@@ -300,11 +334,12 @@ class Bench:
 
     def _release_ahead(self) -> None:
         """Release the holds made ahead (``_load_fn``) that no trial used, so none waits out its lease."""
-        for name, ready in self._ahead:
-            if ready:
-                self.pipe.send(("release", name, [p.request_id for p in ready]))
+        for ahead in self._ahead:
+            ahead.collect(self)
+            if ahead.ready:
+                self.pipe.send(("release", ahead.name, [p.request_id for p in ahead.ready]))
                 self._recv()
-                ready.clear()
+                ahead.ready.clear()
         self._ahead.clear()
 
     @contextmanager
@@ -422,8 +457,14 @@ class Bench:
         self._add_concurrency(name, "peer", "busy", whole.nbytes, one["times"], None, many["times"], many["lats"], None)
 
     def _recv(self, timeout_s: float = 300.0) -> Any:
-        if not self.pipe.poll(timeout_s):
-            raise TimeoutError(f"the producer process did not answer in {timeout_s:g}s")
+        """The producer process's next answer; one that exited (its traceback is above) or is
+        silent for ``timeout_s`` raises at once."""
+        deadline = time.monotonic() + timeout_s
+        while not self.pipe.poll(0.5):
+            if not self.producer_proc.is_alive():
+                raise RuntimeError(f"the producer process exited (code {self.producer_proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the producer process did not answer in {timeout_s:g}s")
         return self.pipe.recv()
 
     def _ucx_raw(self, row: str) -> UcxRaw:
