@@ -227,12 +227,12 @@ def test_a_burst_of_copied_loads_tells_every_producer_hold_without_a_poll_betwee
     assert s["engine_copied_loads"] == 300 and s["engine_shared_loads"] == 0 and s["loads_ok"] == 301
 
 
-def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_copied_here(
+def test_in_a_burst_every_other_load_is_the_agents_the_rest_copied_at_the_next_poll(
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads started with no poll between, once the engine has copied SHARE_AFTER_BYTES in them
-    (here: its first load): the agent takes the second, the engine the third, and so on (the
-    agent's threads copy while the engine's copies the next); all bit-exact, each reported once.
-    After a poll the next load is copied in ``start_load`` again."""
+    (here: its first load): the agent takes the second, the third waits for the next poll, and so
+    on (the agent has its share at once and copies it while poll copies the rest); all bit-exact,
+    each reported once. After a poll the next load is copied in ``start_load`` again."""
     p, pt, c, ct = pair
     first_load(p, c)
     rids = [f"t{i}" for i in range(6)]
@@ -241,20 +241,43 @@ def test_in_a_burst_every_other_load_is_the_agents_and_a_load_after_a_poll_is_co
     assert sorted(c.poll().receiving) == sorted(rids)  # copied in start_load: no wait
     assert c.stats()["engine_shared_loads"] == 0
     monkeypatch.setattr(engine_copies, "SHARE_AFTER_BYTES", 1)
+    for t in ct:
+        t[30:42].zero_()
     rids = [f"s{i}" for i in range(6)]
     for i, rid in enumerate(rids):
         c.start_load(rid, p.hold(rid, [10 + 2 * i, 11 + 2 * i], 32), [30 + 2 * i, 31 + 2 * i])
-    out = c.poll()  # the engine's own are done when start_load returns; the agent's come as they finish
+    assert same(pt, [10, 11], ct, [30, 31]), "the first: copied in start_load"
+    assert not any(t[[34, 35, 38, 39]].view(torch.uint8).any() for t in ct), "the third and fifth: not yet"
+    out = c.poll()  # the engine's own are copied by now; the agent's come as they finish
     assert set(rids[0::2]) <= set(out.receiving), out
     out.extend(received(c, [r for r in rids if r not in out.receiving]))
     assert sorted(out.receiving) == sorted(rids) and not out.failed
     assert same(pt, list(range(10, 22)), ct, list(range(30, 42)))
     s = c.stats()
-    assert s["engine_copied_loads"] == 6 + 3 and s["engine_shared_loads"] == 3
+    assert s["engine_copied_loads"] == 6 + 3 and s["engine_shared_loads"] == 3 and s["engine_later_loads"] == 2
     c.start_load("alone", p.hold("alone", [50], 16), [55])
     assert c.poll().receiving == ["alone"]  # copied in start_load: no wait
     assert same(pt, [50], ct, [55]) and c.stats()["engine_copied_loads"] == 10
     assert c.poll(0.1).receiving == []  # each reported once
+    assert released(p, ["first", *[f"t{i}" for i in range(6)], *rids, "alone"], timeout_s=30) == sorted(
+        ["first", *[f"t{i}" for i in range(6)], *rids, "alone"])
+
+
+def test_a_load_left_for_the_poll_that_cannot_be_copied_then_goes_to_the_agent(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load of a shared burst whose copy at poll is refused (its hold was released meanwhile:
+    not on the board) is sent to the agent then, which fails it as not held, with its blocks."""
+    p, pt, c, ct = pair
+    first_load(p, c)
+    monkeypatch.setattr(engine_copies, "SHARE_AFTER_BYTES", 1)
+    for i, rid in enumerate(["a", "b", "c"]):
+        c.start_load(rid, p.hold(rid, [10 + i], 16), [20 + i])
+    assert p.release("c")  # "c" waits for the poll (a: now, b: the agent's, c: later)
+    out = received(c, ["a", "b", "c"])
+    assert sorted(out.receiving) == ["a", "b"] and out.failed == {"c": [22]}, out
+    assert out.codes["c"] == ErrorCode.NOT_HELD
+    s = c.stats()
+    assert s["engine_later_loads"] == 1 and s["engine_passed_loads"] >= 1
 
 
 def shaped(role: str, engine: str, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16, mla: bool = False,

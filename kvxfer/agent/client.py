@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.channel import Channel, ChannelClosed
-from kvxfer.agent.engine_copies import EngineCopies
+from kvxfer.agent.engine_copies import Deferred, EngineCopies
 from kvxfer.agent.messages import (
     AbandonLoad,
     Close,
@@ -390,9 +390,17 @@ class AgentConnector:
         # (after a busy thread of the engine took it), and the agent's event may come at once
         self._switch.want(True)
         copies = self._engine_copies
-        if copies is not None and self._broken is None and copies.fits(ids, num_cached_tokens) \
-                and not copies.share_burst() and self._copy_here(copies, request_id, params, ids, num_cached_tokens):
-            return
+        if copies is not None and self._broken is None and copies.fits(ids, num_cached_tokens):
+            where = copies.share_burst()
+            if where == "later":
+                copies.defer(Deferred(request_id, params, ids, num_cached_tokens))
+                return
+            if where == "now" and self._copy_here(copies, request_id, params, ids, num_cached_tokens):
+                return
+        self._to_agent(request_id, params, ids, num_cached_tokens)
+
+    def _to_agent(self, request_id: str, params: KVTransferParams, ids: np.ndarray, num_cached_tokens: int) -> None:
+        """A recorded load, sent to the agent (one-way: it fails at ``poll`` if the agent is gone)."""
         try:
             self._send_only(StartLoad(request_id, params, ids.tolist(), num_cached_tokens))
         except RuntimeError:
@@ -400,6 +408,17 @@ class AgentConnector:
                 load = self._loads.pop(request_id, None)
                 if load is not None:
                     self._fail_locked(request_id, load.block_ids, self._dead or "transfer agent gone")
+
+    def _copy_deferred(self, copies: EngineCopies) -> None:
+        """The loads a shared burst left for this ``poll`` (``EngineCopies.share_burst``): copied
+        here, or sent to the agent if they cannot be. One failed meanwhile (the agent died: it is
+        reported failed, and its blocks may be the engine's again once it is) is left alone."""
+        for d in copies.take_deferred():
+            with self._lock:
+                if d.request_id not in self._loads:
+                    continue
+            if not self._copy_here(copies, d.request_id, d.params, d.block_ids, d.num_cached_tokens):
+                self._to_agent(d.request_id, d.params, d.block_ids, d.num_cached_tokens)
 
     def _copy_here(self, copies: EngineCopies, request_id: str, params: KVTransferParams, ids: np.ndarray,
                    num_cached_tokens: int) -> bool:
@@ -491,6 +510,8 @@ class AgentConnector:
 
         Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event."""
         out = Finished()
+        if self._engine_copies is not None:
+            self._copy_deferred(self._engine_copies)
         with self._lock:
             carried, self._carry = self._carry, Finished()
             copies = self._engine_copies

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,8 +43,19 @@ logger = logging.getLogger(__name__)
 # both sides at once
 SHARE_AFTER_BYTES = 8 << 20
 MAX_UNTOLD = 65536  # copied loads kept for an agent that reads none of them (stuck): then given up (logged)
-ENGINE_COUNTERS = ("engine_copied_loads", "engine_passed_loads", "engine_shared_loads", "engine_producers")
+ENGINE_COUNTERS = ("engine_copied_loads", "engine_passed_loads", "engine_shared_loads", "engine_later_loads",
+                   "engine_producers")
 SEND_S = 30.0  # a send on the copied channel, which is only tried when the socket has room
+
+
+@dataclass
+class Deferred:
+    """A checked, recorded load this rank copies at the next ``poll`` (``EngineCopies.share_burst``)."""
+
+    request_id: str
+    params: KVTransferParams
+    block_ids: np.ndarray
+    num_cached_tokens: int
 
 
 class EngineCopies:
@@ -62,6 +74,8 @@ class EngineCopies:
         self._burst_bytes = 0
         self._burst_shared = False
         self._closed = False
+        self._deferred: list[Deferred] = []  # loads of a shared burst left for the next poll (share_burst)
+        self.later_loads = 0
 
     @classmethod
     def for_rank(cls, config: InstanceConfig, rank: int, cache: KVCache) -> EngineCopies | None:
@@ -87,19 +101,34 @@ class EngineCopies:
     def fits(self, block_ids: np.ndarray, num_cached_tokens: int) -> bool:
         return self.loads.fits(block_ids, num_cached_tokens)
 
-    def share_burst(self) -> bool:
-        """Whether this load, small enough to copy here, goes to the agent instead: in a burst
-        (loads started with no ``poll`` between), once this rank has copied SHARE_AFTER_BYTES in
-        it, every other one. The agent's threads then copy one load while the engine's copies the
-        next, where the engine's alone would copy them all in turn. A load started on its own, and
-        a step's few small loads, are still copied here. Counted as ``engine_shared_loads``."""
+    def share_burst(self) -> str:
+        """Where this load, small enough to copy here, goes: ``now`` (copied in ``start_load``),
+        ``agent``, or ``later`` (copied at the next ``poll``). In a burst (loads started with no
+        ``poll`` between), once this rank has copied SHARE_AFTER_BYTES in it, every other load goes
+        to the agent and the others wait for ``poll``: the agent has all of its share from the
+        start and copies it while ``poll`` copies the rest, where copied in ``start_load`` each
+        would hold back the agent's next one. A load started on its own, and a step's few small
+        loads, are still copied at once. Counted as ``engine_shared_loads`` (the agent's) and
+        ``engine_later_loads``."""
         with self._lock:
             if self._burst_bytes < SHARE_AFTER_BYTES:
-                return False
+                return "now"
             self._burst_shared = not self._burst_shared
             if self._burst_shared:
                 self.loads.shared += 1
-            return self._burst_shared
+                return "agent"
+            self.later_loads += 1
+            return "later"
+
+    def defer(self, load: Deferred) -> None:
+        """``load`` is copied at the next ``poll`` (``take_deferred``)."""
+        with self._lock:
+            self._deferred.append(load)
+
+    def take_deferred(self) -> list[Deferred]:
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        return deferred
 
     def copy(self, request_id: str, params: KVTransferParams, ids: np.ndarray,
              num_cached_tokens: int) -> EngineCopied | None:
@@ -184,7 +213,7 @@ class EngineCopies:
                     report("engine reads", e, f"producer {p.engine_id} rank {p.meta.rank} (read by the agent)")
 
     def counters(self) -> dict[str, float]:
-        values = (self.loads.copied, self.loads.passed, self.loads.shared, self.loads.producers)
+        values = (self.loads.copied, self.loads.passed, self.loads.shared, self.later_loads, self.loads.producers)
         return {k: float(v) for k, v in zip(ENGINE_COUNTERS, values, strict=True)}
 
     def close(self) -> None:
