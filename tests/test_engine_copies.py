@@ -267,7 +267,7 @@ def test_a_load_left_for_the_poll_that_cannot_be_copied_then_goes_to_the_agent(
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load of a shared burst whose copy at poll is refused (its hold was released meanwhile:
     not on the board) is sent to the agent then, which fails it as not held, with its blocks."""
-    p, pt, c, ct = pair
+    p, _, c, _ = pair
     first_load(p, c)
     monkeypatch.setattr(engine_copies, "SHARE_AFTER_BYTES", 1)
     for i, rid in enumerate(["a", "b", "c"]):
@@ -278,6 +278,22 @@ def test_a_load_left_for_the_poll_that_cannot_be_copied_then_goes_to_the_agent(
     assert out.codes["c"] == ErrorCode.NOT_HELD
     s = c.stats()
     assert s["engine_later_loads"] == 1 and s["engine_passed_loads"] >= 1
+
+
+def test_a_load_left_for_a_poll_fails_with_its_blocks_if_the_connector_closes_first(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() before the poll that would copy a deferred load: the next poll reports it failed
+    with its block ids (nothing is copied after close), never silently dropped."""
+    p, _, c, ct = pair
+    first_load(p, c)
+    monkeypatch.setattr(engine_copies, "SHARE_AFTER_BYTES", 1)
+    for i, rid in enumerate(["a", "b", "c"]):  # a: now, b: the agent's, c: left for the poll
+        c.start_load(rid, p.hold(rid, [10 + i], 16), [20 + i])
+    c.close()
+    out = c.poll()
+    assert out.failed.get("c") == [22] and "c" not in out.receiving, out
+    assert "a" in out.receiving
+    assert not any(t[22].view(torch.uint8).any() for t in ct)
 
 
 def shaped(role: str, engine: str, tp: int = 1, pp: int = 1, layout: str = "NHD", bs: int = 16, mla: bool = False,

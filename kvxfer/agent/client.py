@@ -198,6 +198,9 @@ class AgentConnector:
             copies, self._engine_copies = self._engine_copies, None
             if copies is not None:
                 self._carry.extend(copies.take()[0])
+                for d in copies.take_deferred():  # left for a poll that will not copy them: failed
+                    if self._loads.pop(d.request_id, None) is not None:
+                        self._fail_locked(d.request_id, d.block_ids, "the connector was closed")
         if copies is not None:
             copies.close()
         if self.cache is not None:
@@ -370,9 +373,11 @@ class AgentConnector:
                    num_cached_tokens: int = 0) -> None:
         """Begin pulling the request's blocks; ``poll`` reports it finished or failed.
 
-        Checked here (a ValueError names what is wrong, nothing changes), then sent one-way: the
-        engine's thread does not wait for the agent (a round trip, and on a busy engine a second
-        wait for its own GIL). Should the agent still refuse it, the load fails at ``poll``."""
+        Checked here (a ValueError names what is wrong, nothing changes), then copied here (a small
+        load from a producer this process can read: ``EngineCopies``; in a large burst, half of
+        them at the next ``poll``) or sent one-way: the engine's thread does not wait for the agent
+        (a round trip, and on a busy engine a second wait for its own GIL). Should the agent still
+        refuse it, the load fails at ``poll``."""
         if self.config.role not in ("decode", "both"):
             raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
         if self.cache is None:
@@ -393,7 +398,7 @@ class AgentConnector:
         if copies is not None and self._broken is None and copies.fits(ids, num_cached_tokens):
             where = copies.share_burst()
             if where == "later":
-                copies.defer(Deferred(request_id, params, ids, num_cached_tokens))
+                copies.defer(Deferred(request_id, params, ids.copy(), num_cached_tokens))  # the caller's may change
                 return
             if where == "now" and self._copy_here(copies, request_id, params, ids, num_cached_tokens):
                 return
@@ -413,12 +418,24 @@ class AgentConnector:
         """The loads a shared burst left for this ``poll`` (``EngineCopies.share_burst``): copied
         here, or sent to the agent if they cannot be. One failed meanwhile (the agent died: it is
         reported failed, and its blocks may be the engine's again once it is) is left alone."""
-        for d in copies.take_deferred():
+        deferred = copies.take_deferred()
+        for i, d in enumerate(deferred):
             with self._lock:
-                if d.request_id not in self._loads:
+                load = self._loads.get(d.request_id)
+                if load is None:
                     continue
-            if not self._copy_here(copies, d.request_id, d.params, d.block_ids, d.num_cached_tokens):
-                self._to_agent(d.request_id, d.params, d.block_ids, d.num_cached_tokens)
+            try:
+                if self._copy_here(copies, d.request_id, d.params, d.block_ids, d.num_cached_tokens):
+                    continue
+            except BaseException:  # interrupted mid-copy: this load fails (its blocks may be half written)
+                with self._lock:
+                    self._fail_locked(d.request_id, d.block_ids, "its copy was interrupted")
+                    self._outcome_locked(d.request_id, False)
+                copies.requeue(deferred[i + 1:])  # the rest: at the next poll
+                raise
+            with self._lock:  # the agent has it from now: its own time limit starts now too
+                load.deadline = self.clock() + self.config.connector.timeouts.transfer_s
+            self._to_agent(d.request_id, d.params, d.block_ids, d.num_cached_tokens)
 
     def _copy_here(self, copies: EngineCopies, request_id: str, params: KVTransferParams, ids: np.ndarray,
                    num_cached_tokens: int) -> bool:
@@ -508,10 +525,13 @@ class AgentConnector:
     def poll(self, timeout_s: float = 0.0) -> Finished:
         """Holds released, loads finished, loads failed (with their invalid block ids).
 
-        Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event."""
+        Non-blocking by default; with ``timeout_s``, waits (GIL released) for the agent's next event.
+        Loads a burst left for it (``EngineCopies.share_burst``) are copied first, the GIL kept
+        (milliseconds for megabytes)."""
         out = Finished()
         if self._engine_copies is not None:
-            self._copy_deferred(self._engine_copies)
+            with self._poll_lock:  # one poll at a time copies, as one reads events
+                self._copy_deferred(self._engine_copies)
         with self._lock:
             carried, self._carry = self._carry, Finished()
             copies = self._engine_copies

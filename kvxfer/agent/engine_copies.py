@@ -1,13 +1,14 @@
 """The loads an engine's thread copies itself, as its :class:`~kvxfer.agent.client.AgentConnector`
 tracks them: copied and not yet handed to ``poll``, copied and not yet told to the agent (which
-sends their producers' done notices), and the burst they belong to.
+sends their producers' done notices), left for the next ``poll`` to copy, and the burst they
+belong to.
 
 The copying is :class:`~kvxfer.agent.engine_loads.EngineLoads`'; this module is its bookkeeping,
 kept apart from the connector's own (the loads in the agent, the holds, the agent's life).
 
 Threads: the engine's. ``_copy_lock`` lets one thread copy at a time (another thread's load
-goes to the agent meanwhile); ``_lock`` guards the copied loads, the untold ones and the burst,
-and is never held across a copy or a send. The connector calls ``copied`` and ``take`` under its
+goes to the agent meanwhile); ``_lock`` guards the copied loads, the untold ones, the deferred
+ones and the burst, and is never held across a copy or a send. The connector calls ``copied`` and ``take`` under its
 own lock (taken first: this class never takes the connector's).
 """
 
@@ -124,6 +125,11 @@ class EngineCopies:
         """``load`` is copied at the next ``poll`` (``take_deferred``)."""
         with self._lock:
             self._deferred.append(load)
+
+    def requeue(self, loads: list[Deferred]) -> None:
+        """``loads`` (taken, not copied) wait for the next ``poll`` again, first."""
+        with self._lock:
+            self._deferred[:0] = loads
 
     def take_deferred(self) -> list[Deferred]:
         with self._lock:
