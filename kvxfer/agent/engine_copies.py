@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -71,12 +72,13 @@ class EngineCopies:
         self._copied_at: list[float] = []  # when each was copied (the handoff stage)
         self._untold: list[EngineCopied] = []  # copied, the agent not sent them yet (tell)
         # a burst: loads started with no poll between. Bytes copied here in it, and whether the
-        # last load that could have been copied since SHARE_AFTER_BYTES went to the agent
+        # last load shared since SHARE_AFTER_BYTES went to the agent (the next waits for poll)
         self._burst_bytes = 0
         self._burst_shared = False
         self._closed = False
         self._deferred: list[Deferred] = []  # loads of a shared burst left for the next poll (share_burst)
-        self.later_loads = 0
+        self.shared_loads = 0  # loads of a burst given to the agent although they could be copied here
+        self.later_loads = 0  # loads of a burst left for the next poll
 
     @classmethod
     def for_rank(cls, config: InstanceConfig, rank: int, cache: KVCache) -> EngineCopies | None:
@@ -102,7 +104,7 @@ class EngineCopies:
     def fits(self, block_ids: np.ndarray, num_cached_tokens: int) -> bool:
         return self.loads.fits(block_ids, num_cached_tokens)
 
-    def share_burst(self) -> str:
+    def share_burst(self) -> Literal["now", "agent", "later"]:
         """Where this load, small enough to copy here, goes: ``now`` (copied in ``start_load``),
         ``agent``, or ``later`` (copied at the next ``poll``). In a burst (loads started with no
         ``poll`` between), once this rank has copied SHARE_AFTER_BYTES in it, every other load goes
@@ -116,7 +118,7 @@ class EngineCopies:
                 return "now"
             self._burst_shared = not self._burst_shared
             if self._burst_shared:
-                self.loads.shared += 1
+                self.shared_loads += 1
                 return "agent"
             self.later_loads += 1
             return "later"
@@ -219,7 +221,7 @@ class EngineCopies:
                     report("engine reads", e, f"producer {p.engine_id} rank {p.meta.rank} (read by the agent)")
 
     def counters(self) -> dict[str, float]:
-        values = (self.loads.copied, self.loads.passed, self.loads.shared, self.later_loads, self.loads.producers)
+        values = (self.loads.copied, self.loads.passed, self.shared_loads, self.later_loads, self.loads.producers)
         return {k: float(v) for k, v in zip(ENGINE_COUNTERS, values, strict=True)}
 
     def close(self) -> None:

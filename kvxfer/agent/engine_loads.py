@@ -84,7 +84,6 @@ class EngineLoads:
         self._shapes: dict[tuple[str, ParallelLayout, int, int], BlockPieces | None] = {}
         self.copied = 0  # loads copied here
         self.passed = 0  # small loads passed to the agent
-        self.shared = 0  # loads of a burst given to the agent although they were small enough (engine_copies.py)
 
     def learn(self, engine_id: str, meta: HandshakeResponse) -> None:
         """The agent handshook with producer ``engine_id`` rank ``meta.rank``: read it here from now
