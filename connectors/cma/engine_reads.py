@@ -3,12 +3,11 @@
 The same one-sided read as the plane's (:meth:`CmaDataPlane._read_one_sided`): the producer's hold
 board row and block ids read before the copy, the copy from this process's read-only mapping of
 the producer's file (``process_vm_readv`` where a region is not mapped), the row read again after.
-The copy keeps the GIL: released per piece, a busy Python thread of the engine would keep it a
-switch interval (5 ms) each time. With ``release_gil`` (a load of at least
-``connector.engine_copy_release_gil_bytes``, off by default) it is one ``process_vm_readv`` of
-this process's own views per 1024 pieces with the GIL released: kept through a copy of
-milliseconds, a busy thread takes the GIL mid-copy and the engine waits an interval to go on;
-released, the copy runs beside that thread, at 1.4-1.8x the time of the kept ``memcpy``s.
+The copy is one native call (``memcpy_spans``: this thread and native helper threads, 2 MiB in
+about half a core's ``memcpy`` time) that keeps the GIL: released, a busy Python thread of the
+engine would take it and the engine would wait a switch interval to go on. With ``release_gil``
+(a load of at least ``connector.engine_copy_release_gil_bytes``, off by default) the same call
+lets the GIL go for the copy.
 
 A load the board does not allow whole (not held yet, a push hold, a full board window, a producer
 without a board), a copy that fails, or a row that changed: False, and the agent loads it as
@@ -28,7 +27,6 @@ Threads: one caller at a time (the engine's connector holds its lock around ever
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -139,12 +137,8 @@ class PeerShape:
         memcpy_spans(*self.span_addresses(remote_blocks, local_blocks))
 
     def copy_released(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> None:
-        """``copy`` as one ``process_vm_readv`` of this process's own views per IOV_MAX spans,
-        the GIL released during each (``connector.engine_copy_release_gil_bytes``). Raises
-        OSError on a failed or short copy."""
-        dst, src, size = self.span_addresses(remote_blocks, local_blocks)
-        copy_from(os.getpid(), np.column_stack((dst, size)).astype(np.int64),
-                  np.column_stack((src, size)).astype(np.int64))
+        """``copy`` with the GIL released during the copy (``connector.engine_copy_release_gil_bytes``)."""
+        memcpy_spans(*self.span_addresses(remote_blocks, local_blocks), release_gil=True)
 
 
 def block_runs(remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> list[tuple[int, int]]:

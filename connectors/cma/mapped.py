@@ -35,12 +35,12 @@ import ctypes.util
 import logging
 import mmap
 import os
-from collections import deque
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
+from kvxfer import _spancopy
 from kvxfer.dataplane import address_view, join_adjacent
 
 from .memory import Peeker
@@ -53,7 +53,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.restype = ctypes.c_int
-# memcpy with the GIL kept (a short copy: see copy_mapped); ctypes.memmove releases it
+# memcpy with the GIL kept, one span a call: the tests' contrast with memcpy_spans
 _memcpy_keep_gil = ctypes.PyDLL(_LIBC_NAME).memcpy
 _memcpy_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _memcpy_keep_gil.restype = ctypes.c_void_p
@@ -182,31 +182,22 @@ def map_region(pid: int, rf: RegionFile, length: int) -> FileMap:
 
 def copy_mapped(local: np.ndarray, remote: np.ndarray, keep_gil: bool = False) -> None:
     """Copy pieces ``remote`` [n, 2] (address, length; addresses in this process's mappings)
-    into ``local`` [n, 2]: pieces adjacent on both sides are joined, then one ``memcpy`` each.
-    ``keep_gil``: a short copy keeps the GIL (see ``KEEP_GIL_BYTES`` in the plane); otherwise
-    it is released per piece. The caller checked every address.
-
-    The plane uses it for copies of at most ``inline_copy_bytes`` only: one thread copies at
-    ``memcpy`` speed, but a Python call per piece that releases the GIL makes helper threads
-    queue for it; larger copies go to ``process_vm_readv`` on several threads, which measured
-    faster here (16 MiB: 2.3-2.7 ms against 2.7-3.4; 128 MiB: 15 ms against 19)."""
+    into ``local`` [n, 2]: pieces adjacent on both sides are joined, then copied by
+    ``memcpy_spans`` (this thread and the native helpers). ``keep_gil``: a short copy keeps the
+    GIL (see ``KEEP_GIL_BYTES`` in the plane); otherwise it is released during the copy. The
+    caller checked every address."""
     dst, src, size, _ = join_adjacent(local[:, 0], remote[:, 0], local[:, 1])
-    if keep_gil:
-        memcpy_spans(dst.tolist(), src.tolist(), size.tolist())
-        return
-    for d, s, n in zip(dst.tolist(), src.tolist(), size.tolist(), strict=True):
-        ctypes.memmove(d, s, n)
+    memcpy_spans(dst.tolist(), src.tolist(), size.tolist(), release_gil=not keep_gil)
 
 
-def memcpy_spans(dst: list[int], src: list[int], size: list[int]) -> None:
-    """``memcpy(dst[i], src[i], size[i])`` for every i, the GIL kept, in one bytecode: ``map``
-    calls the foreign function from C, so the interpreter checks for a GIL drop request once,
-    after the last span. A Python loop over the same calls checks at every turn, and beside a busy
-    thread of the engine (its request after a switch interval) hands the GIL over mid-copy and
-    waits an interval to go on: 512 spans of 32 KiB took 6.2-7.0 ms that way against 3.3-3.5 ms
-    in one call, 2.7-3.2 ms idle either way (one process, switch interval 0.5 ms). The caller
-    checked every address."""
-    deque(map(_memcpy_keep_gil, dst, src, size), maxlen=0)
+def memcpy_spans(dst: list[int], src: list[int], size: list[int], release_gil: bool = False) -> bool:
+    """``memcpy(dst[i], src[i], size[i])`` for every i in one native call (``kvxfer._spancopy``):
+    a copy of 512 KiB or more is cut in 64 KiB parts that this thread and native helper threads
+    take in turn (2 MiB in 64 spans: 500 -> 230 us, 16 MiB: 3.1 -> 1.7 ms, two cores), helpers
+    that need no GIL. The GIL is kept throughout unless ``release_gil``: a busy Python thread of
+    the engine cannot take it mid-copy (one that did would make the copy wait a switch interval
+    to go on). True when the helpers shared the copy. The caller checked every address."""
+    return _spancopy.copy(dst, src, size, release_gil)
 
 
 class MappedBoard:
