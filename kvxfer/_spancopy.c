@@ -12,8 +12,9 @@
  * thread. One copy at a time uses the helpers; a second caller meanwhile copies alone.
  *
  * A part is claimed with one fetch-add on a 64-bit ticket that holds the job's generation in its
- * high half, so a helper that wakes late, after its job ended and the next began, can never
- * take a part of a job whose bounds it did not read (it compares generations).
+ * high half, taken by compare-and-swap only while the generation is the taker's: a helper that wakes
+ * late, after its job ended and the next began, can never take (or count) a part of a job whose
+ * bounds it did not read.
  *
  * Threads: helpers kvxfer-copy-<i> start on the first copy large enough to split (or with
  * `start`); a forked child starts its own (pthread_atfork). Memory written by a helper is visible
@@ -48,7 +49,7 @@ static pthread_mutex_t slot = PTHREAD_MUTEX_INITIALIZER;
 static const part_t *_Atomic job_parts;
 static _Atomic uint64_t header;
 static _Atomic uint64_t ticket;
-static _Atomic uint32_t done;  /* parts of the current job copied */
+static _Atomic uint64_t done;  /* generation << 32 | parts of that job copied */
 static _Atomic uint32_t wake;  /* futex word the idle helpers wait on */
 
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -60,16 +61,35 @@ static Py_ssize_t min_split = 512 * 1024;  /* copies below this many bytes are n
 static uint64_t total_jobs;  /* copies split, under `slot` */
 static _Atomic uint64_t helper_parts;
 
-static void copy_parts(uint32_t gen, uint32_t nparts, const part_t *parts, int helper) {
+/* Take the next part of job `gen` (a compare-and-swap that leaves another generation's ticket
+ * alone: a fetch-add by a helper still on an ended job would take a part of the next one). */
+static int claim(uint32_t gen, uint32_t nparts, uint32_t *idx) {
+    uint64_t t = atomic_load(&ticket);
     for (;;) {
-        uint64_t t = atomic_fetch_add(&ticket, 1);
         if ((uint32_t)(t >> 32) != gen || (uint32_t)t >= nparts)
-            return;
-        const part_t *p = &parts[(uint32_t)t];
-        memcpy(p->dst, p->src, p->len);
+            return 0;
+        if (atomic_compare_exchange_weak(&ticket, &t, t + 1)) {
+            *idx = (uint32_t)t;
+            return 1;
+        }
+    }
+}
+
+/* Count a part of job `gen` copied (its release makes the bytes visible to the caller's acquire). */
+static void count_done(uint32_t gen) {
+    uint64_t d = atomic_load(&done);
+    while ((uint32_t)(d >> 32) == gen && !atomic_compare_exchange_weak_explicit(&done, &d, d + 1, memory_order_release,
+                                                                               memory_order_relaxed))
+        ;
+}
+
+static void copy_parts(uint32_t gen, uint32_t nparts, const part_t *parts, int helper) {
+    uint32_t i;
+    while (claim(gen, nparts, &i)) {
+        memcpy(parts[i].dst, parts[i].src, parts[i].len);
         if (helper)
             atomic_fetch_add_explicit(&helper_parts, 1, memory_order_relaxed);
-        atomic_fetch_add_explicit(&done, 1, memory_order_release);
+        count_done(gen);
     }
 }
 
@@ -138,14 +158,15 @@ static void copy_all(const part_t *parts, uint32_t nparts, size_t nbytes, int *s
     *split = 0;
     if (nparts > 1 && (Py_ssize_t)nbytes >= min_split && helpers_running > 0 && helpers_on && pthread_mutex_trylock(&slot) == 0) {
         uint32_t gen = (uint32_t)(atomic_load(&header) >> 32) + 1;
-        atomic_store(&done, 0);
+        atomic_store(&done, (uint64_t)gen << 32);
         atomic_store(&job_parts, parts);
         atomic_store(&header, (uint64_t)gen << 32 | nparts);
         atomic_store(&ticket, (uint64_t)gen << 32);
         atomic_fetch_add(&wake, 1);
         syscall(SYS_futex, &wake, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
         copy_parts(gen, nparts, parts, 0);
-        for (unsigned spins = 0; atomic_load_explicit(&done, memory_order_acquire) < nparts; spins++) {
+        uint64_t all = (uint64_t)gen << 32 | nparts;
+        for (unsigned spins = 0; atomic_load_explicit(&done, memory_order_acquire) != all; spins++) {
             if (spins >= SPINS_BEFORE_YIELD)
                 sched_yield();  /* a helper mid-part lost its core: let it have this one */
         }

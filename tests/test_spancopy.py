@@ -5,6 +5,8 @@ refusing malformed arguments by name."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -121,3 +123,27 @@ def test_malformed_arguments_are_refused_by_name_and_copy_nothing() -> None:
     with pytest.raises(ValueError, match="helpers must be 0 to 16"):
         _spancopy.configure(helpers=99)
     assert not dst.any()
+
+
+def test_thousands_of_split_copies_in_a_row_each_finish_with_every_part_copied() -> None:
+    """Helpers that wake late, after their job ended and the next began, must not take (or
+    count) a part of the next job: a copy would then wait forever for a part nobody copies, or
+    return before one is copied. Each copy here is two parts, split, back to back, with more
+    helpers than cores (preempted mid-claim); in a child process, so that a hang fails the test at
+    its timeout instead of hanging the run."""
+    script = (
+        "import numpy as np\n"
+        "from kvxfer import _spancopy as s\n"
+        "s.configure(helpers=8, min_split=0)\n"
+        "src = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)\n"
+        "for i in range(100000):\n"
+        "    dst = np.zeros(2 * 65537, np.uint8)\n"
+        "    a = (i * 4099) % (len(src) - 2 * 65537)\n"
+        "    d, f = dst.ctypes.data, src.ctypes.data + a\n"
+        "    assert s.copy([d, d + 65537], [f, f + 65537], [65537, 65537], release_gil=bool(i % 2))\n"
+        "    assert np.array_equal(dst, src[a:a + 2 * 65537]), i\n"
+        "print(s.stats()['split_copies'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 100000
