@@ -9,7 +9,7 @@ A dead or hung agent never hangs the engine: every command has a time limit; an 
 exits, or holds a load past its deadline plus ``AGENT_GRACE_S``, is killed and reported
 (``broken``), and every load it had fails with its block ids at the next ``poll``.
 
-Threads: the engine's threads call in, no thread of its own. ``_command_lock`` orders
+Threads: the engine's threads call in, no thread of its own. ``AgentCommands`` orders
 commands (one in flight); ``_poll_lock`` makes one ``poll`` at a time (it owns the event
 channel); ``_lock`` guards the loads, holds, pending failures and ``_dead``, and is never held
 across a blocking call. Lock order: ``_poll_lock``, then ``_lock``, then the ``EngineCopies``' own
@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.agent.channel import Channel, ChannelClosed
+from kvxfer.agent.commands import COMMAND_S, AgentCommands, checked
 from kvxfer.agent.engine_copies import Deferred, EngineCopies
 from kvxfer.agent.messages import (
     AbandonLoad,
@@ -58,7 +59,7 @@ from kvxfer.agent.messages import (
 )
 from kvxfer.agent.metrics import AgentMetrics
 from kvxfer.agent.shared import share_tensors
-from kvxfer.agent.spawn import spawn_agent
+from kvxfer.agent.spawn import reap_agent, spawn_agent
 from kvxfer.cache.staging import copy_blocks, mirror_of, pin_for, unpin
 from kvxfer.cache.tensors import KVCache
 from kvxfer.config import InstanceConfig
@@ -75,7 +76,6 @@ logger = logging.getLogger(__name__)
 _sched_yield = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").sched_yield  # PyDLL: keeps the GIL
 
 AGENT_START_S = 120.0  # spawn, import, map the cache, register, bind the side channel
-COMMAND_S = 30.0  # an agent answers commands at once; this long without an answer: hung
 # past a load's deadline the agent itself fails it; this much later, we do (kill it: hung). Generous: an
 # agent starved of CPU on a loaded host (seen with a load average of 50 on 2 cores) is late, not hung
 AGENT_GRACE_S = 15.0
@@ -104,10 +104,9 @@ class AgentConnector:
         self.device_cache: KVCache | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self.ready: Ready | None = None
-        self._commands: Channel | None = None
+        self._commands: AgentCommands | None = None
         self._events: Channel | None = None
         self._copied_channel: Channel | None = None
-        self._command_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._lock = threading.Lock()  # the loads, the holds, the pending failures, _dead
         self._loads: dict[str, _Load] = {}
@@ -138,7 +137,8 @@ class AgentConnector:
         if self.device_cache is not None:
             pin_for(self.device_cache, cache)  # pinned where it now lives, in shared memory
         try:
-            self.process, self._commands, self._events, self._copied_channel = spawn_agent(self.config, shared)
+            self.process, commands, self._events, self._copied_channel = spawn_agent(self.config, shared)
+            self._commands = AgentCommands(commands, self.rank, lambda: self._dead, self._agent_died)
         except OSError as e:
             self._teardown()
             unpin(cache)
@@ -208,7 +208,7 @@ class AgentConnector:
 
     def _teardown(self, wait_s: float = 0.0) -> None:
         """Stop the agent (given ``wait_s`` to exit by itself) and close both channels."""
-        self._reap(wait_s)
+        reap_agent(self.process, wait_s, self.rank)
         with self._lock:
             if self._dead is None:
                 self._dead = "transfer agent closed"
@@ -216,59 +216,16 @@ class AgentConnector:
             if ch is not None:
                 ch.close()
 
-    def _reap(self, wait_s: float = 0.0) -> None:
-        p = self.process
-        if p is None:
-            return
-        try:
-            p.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # stuck in the kernel; the loads are reported all the same
-                logger.error("rank %d: transfer agent pid %d did not exit after SIGKILL", self.rank, p.pid)
-
     # ------------------------------------------------------------------ commands
-    def _call(self, cmd: Command, timeout_s: float | None = None) -> Reply:
-        """Send one command and wait for its answer; a dead or silent agent raises RuntimeError
-        (and is killed: a command left unanswered would pair its reply with the next one)."""
-        reply = self._exchange(cmd, COMMAND_S if timeout_s is None else timeout_s, answered=True)
-        assert reply is not None
-        return reply
-
-    def _send_only(self, cmd: Command) -> None:
-        """Send a command the agent does not answer (in order with the others)."""
-        self._exchange(cmd, COMMAND_S, answered=False)
-
-    def _exchange(self, cmd: Command, timeout_s: float, answered: bool) -> Reply | None:
+    def _call(self, cmd: Command, timeout_s: float = COMMAND_S) -> Reply:
         if self._commands is None:
             raise RuntimeError("register_kv_caches first")
-        reply = None
-        with self._command_lock:
-            if self._dead is not None:
-                raise RuntimeError(f"rank {self.rank}: {self._dead}")
-            try:
-                self._commands.send(cmd, timeout_s)
-                if answered:
-                    reply = self._commands.recv(timeout_s)
-                    if reply is None:
-                        self._agent_died(f"did not answer {type(cmd).__name__} within {timeout_s:g} s")
-            except TimeoutError as e:
-                self._agent_died(f"did not read {type(cmd).__name__}: {e}")
-            except ChannelClosed as e:
-                self._agent_died(f"exited ({e})")
-            except BaseException:
-                self._agent_died(f"was left mid-command ({type(cmd).__name__}) by an interrupt")
-                raise
-        if reply is None if answered else self._dead is not None:
-            raise RuntimeError(f"rank {self.rank}: {self._dead}")
-        return reply
+        return self._commands.call(cmd, timeout_s)
 
-    def _checked(self, reply: Reply) -> Reply:
-        if isinstance(reply, Refused):
-            raise (ValueError if reply.kind == "value" else RuntimeError)(reply.message)
-        return reply
+    def _send_only(self, cmd: Command) -> None:
+        if self._commands is None:
+            raise RuntimeError("register_kv_caches first")
+        self._commands.send_only(cmd)
 
     def _agent_died(self, how: str) -> None:
         """The agent is gone (or made to go): kill it, fail every load it had, and free every
@@ -280,7 +237,7 @@ class AgentConnector:
         p = self.process
         if p is not None and p.poll() is None:
             p.kill()
-        self._reap(10.0)
+        reap_agent(p, 10.0, self.rank)
         code = p.returncode if p is not None else None
         why = f"transfer agent (pid {p.pid if p else '?'}) {how}" + (f"; exit code {code}" if code is not None else "")
         with self._lock:
@@ -321,7 +278,7 @@ class AgentConnector:
                 raise ValueError(f"request {request_id}: block ids must be in [0, {self.cache.num_blocks})")
             if not streaming:
                 copy_blocks(self.device_cache, self.cache, ids[:need])
-        reply = self._checked(self._call(Hold(request_id, ids.tolist(), num_tokens, streaming)))
+        reply = checked(self._call(Hold(request_id, ids.tolist(), num_tokens, streaming)))
         if not isinstance(reply, Held):
             raise RuntimeError(f"rank {self.rank}: transfer agent answered Hold with {type(reply).__name__}")
         with self._lock:
@@ -356,13 +313,13 @@ class AgentConnector:
 
     def push(self, request_id: str, target: PushTarget) -> None:
         """Push mode: read by ``target`` (a decode side's reservation): saved layers now, the rest as saved."""
-        self._checked(self._call(Push(request_id, target)))
+        checked(self._call(Push(request_id, target)))
 
     def release(self, request_id: str) -> bool:
         """The engine frees a hold itself (e.g. the request was cancelled)."""
         if self._dead is not None:
             return False
-        reply = self._checked(self._call(Release(request_id)))
+        reply = checked(self._call(Release(request_id)))
         with self._lock:
             self._held.discard(request_id)
             self._streaming.pop(request_id, None)
@@ -477,7 +434,7 @@ class AgentConnector:
             self._landed[request_id] = set()
             self._outcomes.pop(request_id, None)
         try:
-            reply = self._checked(self._call(Reserve(request_id, ids.tolist(), num_tokens, num_cached_tokens)))
+            reply = checked(self._call(Reserve(request_id, ids.tolist(), num_tokens, num_cached_tokens)))
         except BaseException:
             with self._lock:
                 load = self._loads.pop(request_id, None)
@@ -519,7 +476,7 @@ class AgentConnector:
         if self.config.role not in ("decode", "both"):
             raise RuntimeError(f"this rank is a {self.config.role} instance; loading needs role decode or both")
         if self._dead is None:
-            self._checked(self._call(cmd))
+            checked(self._call(cmd))
 
     # ------------------------------------------------------------------ both
     def poll(self, timeout_s: float = 0.0) -> Finished:

@@ -1,4 +1,4 @@
-"""Starting a transfer agent process: its three channels to the engine, and its environment.
+"""Starting a transfer agent process (its three channels to the engine, and its environment), and reaping one.
 
 The engine keeps one end of each socket pair; the agent gets the other by file descriptor, with
 the cache's shared memory files (``share_tensors``), and is told the rest by the ``Start``
@@ -16,6 +16,8 @@ import sys
 from kvxfer.agent.channel import Channel
 from kvxfer.agent.messages import Event, Reply, SharedTensor
 from kvxfer.config import InstanceConfig
+
+logger = logging.getLogger(__name__)
 
 # an engine's OpenMP binding (vLLM's CPU workers set it): the agent's own OpenMP runtime would pin
 # the agent's main thread to the first place; the agent keeps the engine thread's CPU mask instead
@@ -50,3 +52,17 @@ def spawn_agent(config: InstanceConfig, shared: list[SharedTensor]
     for sock in (agent_cmd, agent_evt, agent_cp):  # the agent's own now
         sock.close()
     return process, Channel(engine_cmd, Reply), Channel(engine_evt, Event), Channel(engine_cp, Reply)
+
+
+def reap_agent(p: subprocess.Popen[bytes] | None, wait_s: float, rank: int) -> None:
+    """Wait ``wait_s`` for an agent to exit, then kill it (and wait for that, 10 s at most)."""
+    if p is None:
+        return
+    try:
+        p.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # stuck in the kernel; the loads are reported all the same
+            logger.error("rank %d: transfer agent pid %d did not exit after SIGKILL", rank, p.pid)
