@@ -54,7 +54,6 @@ trials run until a time budget.
 from __future__ import annotations
 
 import argparse
-import functools
 import multiprocessing as mp
 import os
 import platform
@@ -64,7 +63,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +71,8 @@ import torch
 
 from kvxfer.agent.priority import nice_refusal
 from kvxfer.bench import peers as peer_mod
+from kvxfer.bench.held_ahead import HeldAhead
+from kvxfer.bench.peer_rows import run_peer
 from kvxfer.bench.transfer_cases import (
     BLOCK,
     TOKENS,
@@ -118,44 +118,6 @@ def _unusable(name: str, data_path: str | None) -> str | None:
     return None
 
 
-HELD_AHEAD = 16  # holds made per request to the producer (see _HeldAhead)
-
-
-@dataclass
-class _HeldAhead:
-    """Holds on the producer made ahead of one measurement's loads, HELD_AHEAD per request to the
-    producer process, the next request sent when half are left: its answer comes while loads run,
-    so no load waits for it (a busy producer's engine answers after its GIL's switch intervals, ms),
-    and loads run back to back. The bench's pipe has at most one such request out (``collect``
-    takes its answer before any other message)."""
-
-    name: str
-    src_ids: list[int]
-    tokens: int
-    ready: list[KVTransferParams] = field(default_factory=list)
-    asked: bool = False
-
-    def next(self, bench: Bench) -> KVTransferParams:
-        if self.asked and (not self.ready or bench.pipe.poll(0)):
-            self.collect(bench)
-        if not self.ready:
-            self._ask(bench)
-            self.collect(bench)
-        if len(self.ready) <= HELD_AHEAD // 2 and not self.asked:
-            self._ask(bench)
-        return self.ready.pop(0)
-
-    def _ask(self, bench: Bench) -> None:
-        bench.pipe.send(("holds", self.name, [self.src_ids] * HELD_AHEAD, self.tokens))
-        self.asked = True
-
-    def collect(self, bench: Bench) -> None:
-        """The answer to the request out, if any (waits for it)."""
-        if self.asked:
-            self.asked = False
-            self.ready.extend(KVTransferParams.from_bytes(b) for b in bench._recv())
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -192,7 +154,7 @@ class Bench:
         self.layout = ParallelLayout.from_config(cfg)
         self.bytes_per_block = spec_from_config(cfg).bytes_per_block
         self.conc: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # --concurrency's requests
-        self._ahead: list[_HeldAhead] = []  # holds made ahead, per measurement
+        self._ahead: list[HeldAhead] = []  # holds made ahead, per measurement
 
     def run(self) -> list[dict[str, Any]]:
         args = self.args
@@ -245,7 +207,7 @@ class Bench:
                 proc.kill()
             self._close_consumers()
         for name in self.peers:
-            self._run_peer(name)
+            run_peer(self, name)
         return self.records
 
     def _close_consumers(self) -> None:
@@ -282,12 +244,12 @@ class Bench:
 
     def _load_fn(self, name: str, conn: Conn, src: np.ndarray, dst: np.ndarray, poll: str) -> Callable[[], float]:
         dst_ids = dst.tolist()
-        ahead = _HeldAhead(name, src.tolist(), len(src) * BLOCK)
+        ahead = HeldAhead(name, src.tolist(), len(src) * BLOCK)
         self._ahead.append(ahead)  # what the measurement leaves unused is released after it
 
         def load() -> float:
             """One pull, timed from start_load to the poll that reported it. The producer's holds are
-            made ahead and not counted (``_HeldAhead``), so loads run back to back, as the peers'
+            made ahead and not counted (``HeldAhead``), so loads run back to back, as the peers'
             reads do: a hold on a busy producer waits for its engine's GIL (ms), and on these VMs a
             load that follows ms of idleness runs every stage at about half speed (cold caches),
             which would measure the pacing, not the transfer (see docs/benchmarks.md, session 10)."""
@@ -388,73 +350,6 @@ class Bench:
                     "p50_ratio": b["p50_us"] / i["p50_us"], "idle_p99_us": i["p99_us"], "busy_p99_us": b["p99_us"],
                     "idle_trials": i["trials"], "busy_trials": b["trials"], "idle_stages": base[1],
                     "busy_stages": stages, "checked": True})
-
-    def _run_peer(self, name: str) -> None:
-        """A peer in its own process pair, after kvxfer's: its threads must not load the cores
-        while anything else is measured, and a crash in it must not end the run."""
-        why = peer_mod.missing_reason(name)
-        if why is not None:
-            self.skipped[name] = why
-            return
-        print(f"{name}: starting its own producer and consumer processes", file=sys.stderr)
-        try:
-            pair = peer_mod.PeerPair(name, functools.partial(bench_cache, self.num_blocks, True))
-        except RuntimeError as e:
-            self.skipped[name] = f"failed to start: {e}"
-            return
-        progress = Progress(len(self.cases), f"{name} cases")
-        try:
-            for i, ((pat, tokens), (src, dst, d)) in enumerate(self.cases.items()):
-                progress.update(i)
-                descs = (d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length)
-
-                def measure(poll: str, where: str, src: np.ndarray = src, dst: np.ndarray = dst,
-                            descs: tuple[np.ndarray, ...] = descs) -> tuple[list[float], None]:
-                    with self._spin(where, pair):
-                        status, r = pair.measure({"op": "read", "src": src, "dst": dst, "descs": descs,
-                                                  "budget": self.args.budget_s, "spin": where == "consumer",
-                                                  "gap_s": self.gap_s})
-                    if status != "ok":
-                        raise RuntimeError(r)
-                    return r["times"], None
-
-                try:
-                    idle = measure("busy", "idle")
-                    self._add(name, "peer", pat, tokens, src, d, {**stat(idle[0], d.nbytes), "poll": "busy",
-                                                                  "stages": None, "checked": True})
-                    print(format_row(self.records[-1]), flush=True)
-                    if self.args.busy_engine:  # a peer polls its own way (NIXL: a tight loop)
-                        self._busy_rows(name, "peer", pat, tokens, d.nbytes, ["busy"], measure, {"busy": idle})
-                except RuntimeError as e:
-                    self.skipped[name] = f"failed at {pat} {tokens} tokens: {e}"
-                    if not pair.alive():
-                        break
-            if self.conc is not None and pair.alive():
-                self._peer_concurrency(name, pair)
-            progress.update(len(self.cases))
-        finally:
-            pair.close()
-
-    def _peer_concurrency(self, name: str, pair: peer_mod.PeerPair) -> None:
-        assert self.conc is not None
-        srcs, dsts = self.conc
-        src, dst = np.concatenate(srcs), np.concatenate(dsts)
-        whole = self._plan(src, dst)
-        parts = [self._plan(s, t) for s, t in zip(srcs, dsts, strict=True)]
-
-        def tup(d: Descriptors) -> tuple[np.ndarray, ...]:
-            return d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length
-
-        budget = self.args.budget_s
-        status, one = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget,
-                                    "gap_s": self.gap_s})
-        if status == "ok":
-            status, many = pair.measure({"op": "many", "src": src, "dst": dst, "reqs": [tup(p) for p in parts],
-                                         "budget": budget, "gap_s": self.gap_s})
-        if status != "ok":
-            self.skipped[f"{name} --concurrency"] = str(one if status != "ok" and not isinstance(one, dict) else many)
-            return
-        self._add_concurrency(name, "peer", "busy", whole.nbytes, one["times"], None, many["times"], many["lats"], None)
 
     def _recv(self, timeout_s: float = 300.0) -> Any:
         """The producer process's next answer; one that exited (its traceback is above) or is
