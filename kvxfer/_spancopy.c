@@ -17,7 +17,7 @@
  * bounds it did not read.
  *
  * Threads: helpers kvxfer-copy-<i> start on the first copy large enough to split (or with
- * `start`); a forked child starts its own (pthread_atfork). Memory written by a helper is visible
+ * `configure`); a forked child starts its own (pthread_atfork). Memory written by a helper is visible
  * to the caller when `copy` returns (release on each part's count, acquire on the caller's wait).
  */
 #define PY_SSIZE_T_CLEAN
@@ -55,7 +55,9 @@ static _Atomic uint32_t wake;  /* futex word the idle helpers wait on */
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 static int helpers_wanted = -1;  /* -1: not set (start picks from the CPU count) */
 static _Atomic int helpers_running;
+static _Atomic int helpers_tried;  /* start_helpers ran (in this process: reset in a forked child) */
 static _Atomic int helpers_on = 1;  /* 0: configure(helpers=0); the running ones idle (a pthread is not taken back) */
+static _Atomic int helpers_active = INT_MAX;  /* helpers with a lower index take parts; configure sets it */
 static Py_ssize_t min_split = 512 * 1024;  /* copies below this many bytes are not split */
 
 static uint64_t total_jobs;  /* copies split, under `slot` */
@@ -94,12 +96,14 @@ static void copy_parts(uint32_t gen, uint32_t nparts, const part_t *parts, int h
 }
 
 static void *helper_main(void *arg) {
-    (void)arg;
+    int me = (int)(intptr_t)arg;
     uint32_t seen = atomic_load(&wake);
     for (;;) {
         while (atomic_load(&wake) == seen)
             syscall(SYS_futex, &wake, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
         seen = atomic_load(&wake);
+        if (me >= atomic_load(&helpers_active))
+            continue;
         uint64_t h = atomic_load(&header);
         const part_t *parts = atomic_load(&job_parts);
         /* job_parts is stored before header: a header read after it names these parts or a later job,
@@ -111,12 +115,16 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
+/* The helpers to start: as configured, else the CPUs the calling thread may run on, less one, at
+ * most 3 (memory bandwidth is spent by about four threads). A helper inherits the caller's CPU mask:
+ * a thread pinned to one CPU (an engine's OpenMP binding) gets none, it would only take turns. */
 static int wanted_helpers(void) {
     if (helpers_wanted >= 0)
         return helpers_wanted;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    long cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
     long n = cpus - 1;
-    return (int)(n < 1 ? 1 : n > 3 ? 3 : n);  /* memory bandwidth is spent by about four threads */
+    return (int)(n < 0 ? 0 : n > 3 ? 3 : n);
 }
 
 /* Start the helpers still missing; the number started (0 on failure, with errno). */
@@ -129,7 +137,7 @@ static int start_helpers(void) {
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 64 * 1024);
-        int err = pthread_create(&t, &attr, helper_main, NULL);
+        int err = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)helpers_running);
         pthread_attr_destroy(&attr);
         if (err != 0)
             break;
@@ -139,6 +147,7 @@ static int start_helpers(void) {
         helpers_running++;
     }
     int n = helpers_running;
+    helpers_tried = 1;
     pthread_mutex_unlock(&start_lock);
     return n;
 }
@@ -148,6 +157,7 @@ static void after_fork_child(void) {
     pthread_mutex_init(&slot, NULL);
     pthread_mutex_init(&start_lock, NULL);
     helpers_running = 0;
+    helpers_tried = 0;
     atomic_store(&job_parts, NULL);
     atomic_store(&header, 0);
     atomic_store(&ticket, 0);
@@ -247,7 +257,7 @@ static PyObject *spancopy_copy(PyObject *self, PyObject *args, PyObject *kwargs)
             k++;
         }
     }
-    if (helpers_running == 0 && helpers_on && nparts > 1 && (Py_ssize_t)nbytes >= min_split)
+    if (!helpers_tried && helpers_on && nparts > 1 && (Py_ssize_t)nbytes >= min_split)
         start_helpers();
     int split;
     if (release_gil) {
@@ -265,8 +275,8 @@ static PyObject *spancopy_copy(PyObject *self, PyObject *args, PyObject *kwargs)
 PyDoc_STRVAR(configure_doc,
 "configure(helpers=-1, min_split=-1) -> None\n\n"
 "helpers: helper threads to keep (0: every copy on its caller's thread alone; -1: leave as is;\n"
-"the default is the CPU count less one, at most 3). Fewer than are running stops none: the extra\n"
-"ones idle. min_split: copies of fewer bytes are never split (-1: leave as is).");
+"the default is the CPUs the first caller may run on, less one, at most 3). Fewer than are\n"
+"running stops none: the extra ones idle. min_split: copies of fewer bytes are never split (-1: leave as is).");
 
 static PyObject *spancopy_configure(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
@@ -287,6 +297,7 @@ static PyObject *spancopy_configure(PyObject *self, PyObject *args, PyObject *kw
     if (helpers >= 0) {
         helpers_wanted = helpers;
         atomic_store(&helpers_on, helpers > 0);
+        atomic_store(&helpers_active, helpers);
     }
     pthread_mutex_unlock(&start_lock);
     if (split >= 0)

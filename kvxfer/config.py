@@ -307,11 +307,10 @@ class ConnectorConfig(Config, frozen=True):
     # ranks the agent has handshaken, checked against their hold boards: no round trip through the
     # agent, as NIXL's caller copies. Anything else goes to the agent. 0: the agent loads everything.
     engine_copy_bytes: NonNegativeInt = 16 << 20
-    # Such a copy of at least this many bytes lets the GIL go (one process_vm_readv per 1024
-    # pieces), the short switch interval claimed for it: a busy Python thread of the engine runs
-    # meanwhile instead of taking the GIL mid-copy. Kept, the copy is a memcpy a piece, 1.4-1.6x
-    # faster at 16 MiB on the test machine, and faster there beside a busy thread too but for
-    # scattered block ids (docs/benchmarks.md). 0: every copy keeps the GIL.
+    # Such a copy of at least this many bytes lets the GIL go (the same native span copy), the
+    # short switch interval claimed for it: a busy Python thread of the engine runs meanwhile, on a
+    # core the copy's helper threads would have used. Kept (the default), the busy thread waits
+    # while the engine's thread and the helpers copy (docs/benchmarks.md). 0: every copy keeps the GIL.
     engine_copy_release_gil_bytes: NonNegativeInt = 0
     # With a transfer agent: the interpreter's switch interval while this rank has loads in flight
     # (process-wide; the engine's own value comes back when no rank of the process has any). A busy

@@ -232,16 +232,46 @@ def test_disconnect_and_close_unmap_the_producers_file(mpair: MappedPair) -> Non
     assert mpair.maps() == []
 
 
-@pytest.mark.parametrize("options", [{"map_memory": False}, {"inline_copy_bytes": STRIDE}])
-def test_without_map_memory_or_above_inline_copy_bytes_the_read_uses_process_vm_readv(
-        options: dict[str, object]) -> None:
-    p = MappedPair(options)
+def test_without_map_memory_the_read_uses_process_vm_readv() -> None:
+    p = MappedPair({"map_memory": False})
     try:
-        assert bool(p.maps()) is ("map_memory" not in options)
+        assert not p.maps()
         p.holds.hold("r", [1, 2], 32)
-        res = p.read("r", [2, 1], [9, 10])  # two blocks: more than inline_copy_bytes in the second case
+        res = p.read("r", [2, 1], [9, 10])
         assert res.ok and p.arrived([2, 1], [9, 10])
         assert p.consumer.counters() == {"one_sided_reads": 1, "mapped_reads": 0, "granted_reads": 0}
+    finally:
+        p.close()
+
+
+def test_reads_above_inline_copy_bytes_and_reads_copied_together_are_copied_from_the_mapping() -> None:
+    """The native span copy takes mapped reads of any size (inline_copy_bytes and copy_threads
+    only cut process_vm_readv copies now), one read alone or several in one ``read_many``."""
+    import time
+
+    from kvxfer.dataplane import Descriptors
+
+    p = MappedPair({"inline_copy_bytes": STRIDE})
+    try:
+        p.holds.hold("r", [1, 2], 32)
+        res = p.read("r", [2, 1], [9, 10])  # two blocks: more than inline_copy_bytes
+        assert res.ok and p.arrived([2, 1], [9, 10])
+        assert p.consumer.counters() == {"one_sided_reads": 1, "mapped_reads": 1, "granted_reads": 0}
+        reads = []
+        for rid, blocks, to in (("a", [3], 11), ("b", [4, 6], 12), ("c", [7], 14)):
+            p.holds.hold(rid, blocks, 16 * len(blocks))
+            n = len(blocks)
+            reads.append(("p", rid, Descriptors(np.zeros(n, np.int64), np.array(blocks, np.int64) * STRIDE,
+                                                np.zeros(n, np.int64), np.arange(to, to + n, dtype=np.int64) * STRIDE,
+                                                np.full(n, STRIDE, np.int64))))
+        batches = p.consumer.read_many(reads)
+        done: dict[int, bool] = {}
+        deadline = time.monotonic() + 10
+        while len(done) < 3 and time.monotonic() < deadline:
+            done.update((r.batch_id, r.ok) for r in p.consumer.poll())
+        assert done == dict.fromkeys(batches, True)
+        assert p.arrived([3, 4, 6, 7], [11, 12, 13, 14])
+        assert p.consumer.counters() == {"one_sided_reads": 4, "mapped_reads": 4, "granted_reads": 0}
     finally:
         p.close()
 

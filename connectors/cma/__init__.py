@@ -25,14 +25,15 @@ the kernel refuses (ptrace denied): use ``tcp`` or ``ucx`` there.
 A producer that dies makes the copy fail with ESRCH, one that stalls makes the grant miss its
 deadline: either way the batch fails within ``timeout_s`` and nothing more is written.
 
-A one-sided read of at most ``inline_copy_bytes`` from a producer whose memory is a
-shared-memory file (a transfer agent's cache always is) copies with ``memcpy`` from the
-consumer's own read-only mapping of that file instead, no page pinned; the board is still read
-before and after (:mod:`.mapped`).
+A one-sided read from a producer whose memory is a shared-memory file (a transfer agent's cache
+always is) copies with ``memcpy`` from the consumer's own read-only mapping of that file instead,
+no page pinned, through the native span copy (``kvxfer/_spancopy.c``: a copy of 512 KiB or more
+is cut into parts the reading thread and native helper threads copy at once); the board is still
+read before and after (:mod:`.mapped`).
 
-A copy of more than ``inline_copy_bytes`` is cut into parts that the reading thread and the
-plane's copy threads copy at once with ``process_vm_readv`` (:mod:`.copier`); it is still done
-when the reading thread's call returns. The copies themselves are in :mod:`.memory` and
+A ``process_vm_readv`` copy (memory not in a shared file) of more than ``inline_copy_bytes`` is
+cut into parts that the reading thread and the plane's copy threads copy at once (:mod:`.copier`).
+Either copy is done when the reading thread's call returns. The copies themselves are in :mod:`.memory` and
 :mod:`.mapped`; reads that ask for a grant in :mod:`.granted_reads` (the plane's read thread),
 the producer's grant thread in :mod:`.grants`; what the consumer knows of a producer in
 :mod:`.peer`.
@@ -40,11 +41,11 @@ the producer's grant thread in :mod:`.grants`; what the consumer knows of a prod
 Options (``connector.data_plane``): ``timeout_s`` (per batch, default 30), ``host`` (where the
 control socket listens; default the side channel's host), ``one_sided`` (default true: publish
 holds on the board; false: every read of this producer asks for a grant), ``copy_threads``
-(helpers beside the reading thread; default: the CPUs this process may run on, less one, from 1
-to 3; 0: the reading thread copies alone), ``inline_copy_bytes`` (default 2 MiB: a larger copy is
-cut into parts of at least this size, one per copying thread; one 2 MiB block is copied whole),
-``map_memory`` (default true: map a producer's shared-memory files for copies of at most
-``inline_copy_bytes``; false: always ``process_vm_readv``).
+(helpers beside the reading thread for ``process_vm_readv`` copies; default: the CPUs this
+process may run on, less one, from 1 to 3; 0: the reading thread copies alone),
+``inline_copy_bytes`` (default 2 MiB: a larger ``process_vm_readv`` copy is cut into parts of at
+least this size, one per copying thread), ``map_memory`` (default true: map a producer's
+shared-memory files and copy from them; false: always ``process_vm_readv``).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
         """A one-sided read the board allowed, copied on this thread. Caller holds _direct_lock."""
         r = a.read
         try:
-            if a.mapped is not None and r.d.nbytes <= self.inline_copy_bytes:
+            if a.mapped is not None:  # any size: the native span copy cuts it across its helpers
                 iov = iovecs(r.d, r.local, a.mapped)
                 copy_mapped(iov[0], iov[1], keep_gil=r.d.nbytes <= KEEP_GIL_BYTES)
                 self.mapped_reads += 1
@@ -325,9 +326,17 @@ class CmaDataPlane(HostRegionPlane, GrantedReads):
             by_pid.setdefault(a.peer.addr.pid, []).append(a)
         results: list[BatchResult] = []
         for pid, group in by_pid.items():
+            nbytes = sum(a.read.d.nbytes for a in group)
+            mapped = [a.mapped for a in group if a.mapped is not None]
             try:
-                iov = np.concatenate([iovecs(a.read.d, a.read.local, a.remote) for a in group], axis=1)
-                self._copy(pid, iov, sum(a.read.d.nbytes for a in group))
+                if len(mapped) == len(group):  # all from mappings: one native span copy
+                    iov = np.concatenate([iovecs(a.read.d, a.read.local, m)
+                                          for a, m in zip(group, mapped, strict=True)], axis=1)
+                    copy_mapped(iov[0], iov[1], keep_gil=nbytes <= KEEP_GIL_BYTES)
+                    self.mapped_reads += len(group)
+                else:
+                    iov = np.concatenate([iovecs(a.read.d, a.read.local, a.remote) for a in group], axis=1)
+                    self._copy(pid, iov, nbytes)
             except TimeoutError as e:  # a helper may still be copying: no read of the group may stand
                 results.extend(self._read_failed(a.read.peer_id, a.read.request_id, a.read.batch_id, e)
                                for a in group)
