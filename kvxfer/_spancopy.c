@@ -14,7 +14,8 @@
  * A part is claimed with one fetch-add on a 64-bit ticket that holds the job's generation in its
  * high half, taken by compare-and-swap only while the generation is the taker's: a helper that wakes
  * late, after its job ended and the next began, can never take (or count) a part of a job whose
- * bounds it did not read.
+ * bounds it did not read. (The generation is 32 bits: a helper stalled between reading a job and
+ * claiming its part for exactly 2^32 later jobs could match again. Accepted: days of copies.)
  *
  * Threads: helpers kvxfer-copy-<i> start on the first copy large enough to split (or with
  * `configure`); a forked child starts its own (pthread_atfork). Memory written by a helper is visible
@@ -27,6 +28,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,9 +60,9 @@ static _Atomic int helpers_running;
 static _Atomic int helpers_tried;  /* start_helpers ran (in this process: reset in a forked child) */
 static _Atomic int helpers_on = 1;  /* 0: configure(helpers=0); the running ones idle (a pthread is not taken back) */
 static _Atomic int helpers_active = INT_MAX;  /* helpers with a lower index take parts; configure sets it */
-static Py_ssize_t min_split = 512 * 1024;  /* copies below this many bytes are not split */
+static _Atomic Py_ssize_t min_split = 512 * 1024;  /* copies below this many bytes are not split */
 
-static uint64_t total_jobs;  /* copies split, under `slot` */
+static _Atomic uint64_t total_jobs;  /* copies split */
 static _Atomic uint64_t helper_parts;
 
 /* Take the next part of job `gen` (a compare-and-swap that leaves another generation's ticket
@@ -97,6 +99,9 @@ static void copy_parts(uint32_t gen, uint32_t nparts, const part_t *parts, int h
 
 static void *helper_main(void *arg) {
     int me = (int)(intptr_t)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);  /* signals are the Python threads' to take */
     uint32_t seen = atomic_load(&wake);
     for (;;) {
         while (atomic_load(&wake) == seen)
@@ -205,7 +210,8 @@ PyDoc_STRVAR(copy_doc,
 "memcpy(dst[i], src[i], size[i]) for every i (lists of ints: addresses in this process and byte\n"
 "counts), on this thread and the helper threads. The caller checked every address. With\n"
 "release_gil the GIL is released during the copy; otherwise it is kept throughout (a busy Python\n"
-"thread cannot take it mid-copy). True when the helpers shared the copy.");
+"thread cannot take it mid-copy). True when the copy was offered to the helpers (cut in parts\n"
+"with helpers running and free); False when this thread copied it alone.");
 
 static PyObject *spancopy_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
@@ -230,7 +236,12 @@ static PyObject *spancopy_copy(PyObject *self, PyObject *args, PyObject *kwargs)
         uintptr_t len;
         if (as_address(PyList_GET_ITEM(size, i), &len) < 0)
             return NULL;
-        nparts += len == 0 ? 0 : (len + CHUNK - 1) / CHUNK;
+        if (len > (uintptr_t)PY_SSIZE_T_MAX || nbytes + len > (size_t)PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_ValueError, "copy: span %zd's size %zu (or the total) is not a size of memory", i,
+                         (size_t)len);
+            return NULL;
+        }
+        nparts += len / CHUNK + (len % CHUNK != 0);
         nbytes += len;
     }
     if (nparts > UINT32_MAX / 2) {
@@ -250,7 +261,7 @@ static PyObject *spancopy_copy(PyObject *self, PyObject *args, PyObject *kwargs)
                 PyMem_RawFree(parts);
             return NULL;
         }
-        for (size_t off = 0; off < len; off += CHUNK) {
+        for (size_t off = 0; off < len && k < nparts; off += CHUNK) {
             parts[k].dst = (char *)(d + off);
             parts[k].src = (const char *)(s + off);
             parts[k].len = len - off < CHUNK ? len - off : CHUNK;

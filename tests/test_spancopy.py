@@ -120,6 +120,8 @@ def test_malformed_arguments_are_refused_by_name_and_copy_nothing() -> None:
         _spancopy.copy([a, a], [b, b], [16, -1])
     with pytest.raises(TypeError):
         _spancopy.copy([a], ["x"], [1])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"span 1's size 18446744073709551615 .* is not a size of memory"):
+        _spancopy.copy([a, a], [b, b], [16, 2**64 - 1])  # would wrap the part count
     with pytest.raises(ValueError, match="helpers must be 0 to 16"):
         _spancopy.configure(helpers=99)
     assert not dst.any()

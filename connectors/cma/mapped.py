@@ -196,7 +196,7 @@ def memcpy_spans(dst: list[int], src: list[int], size: list[int], release_gil: b
     take in turn (2 MiB in 64 spans: 500 -> 230 us, 16 MiB: 3.1 -> 1.7 ms, two cores), helpers
     that need no GIL. The GIL is kept throughout unless ``release_gil``: a busy Python thread of
     the engine cannot take it mid-copy (one that did would make the copy wait a switch interval
-    to go on). True when the helpers shared the copy. The caller checked every address."""
+    to go on). True when the copy was offered to the helpers. The caller checked every address."""
     return _spancopy.copy(dst, src, size, release_gil)
 
 

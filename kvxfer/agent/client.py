@@ -138,7 +138,7 @@ class AgentConnector:
             pin_for(self.device_cache, cache)  # pinned where it now lives, in shared memory
         try:
             self.process, commands, self._events, self._copied_channel = spawn_agent(self.config, shared)
-            self._commands = AgentCommands(commands, self.rank, lambda: self._dead, self._agent_died)
+            self._commands = AgentCommands(commands, self.rank, self._why_dead, self._agent_died)
         except OSError as e:
             self._teardown()
             unpin(cache)
@@ -226,6 +226,9 @@ class AgentConnector:
         if self._commands is None:
             raise RuntimeError("register_kv_caches first")
         self._commands.send_only(cmd)
+
+    def _why_dead(self) -> str | None:
+        return self._dead
 
     def _agent_died(self, how: str) -> None:
         """The agent is gone (or made to go): kill it, fail every load it had, and free every

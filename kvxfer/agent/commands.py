@@ -11,6 +11,7 @@ across the round trip, never while ``on_death`` waits for the engine's other loc
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 from kvxfer.agent.channel import Channel, ChannelClosed
@@ -21,15 +22,26 @@ COMMAND_S = 30.0  # an agent answers commands at once; this long without an answ
 
 class AgentCommands:
     """The command channel of one agent. ``dead()``: why the agent is gone, or None;
-    ``on_death(how)``: called (under this channel's lock) when a command shows it gone."""
+    ``on_death(how)``: called (under this channel's lock) when a command shows it gone. Both are
+    the connector's bound methods, held weakly: a connector its own channel kept alive in a cycle
+    would free its agent's process handle and sockets only at the next garbage collection."""
 
     def __init__(self, channel: Channel, rank: int, dead: Callable[[], str | None],
                  on_death: Callable[[str], None]) -> None:
         self.channel = channel
         self.rank = rank
-        self._dead = dead
-        self._on_death = on_death
+        self._dead_ref = weakref.WeakMethod(dead)
+        self._on_death_ref = weakref.WeakMethod(on_death)
         self._lock = threading.Lock()
+
+    def _dead(self) -> str | None:
+        dead = self._dead_ref()
+        return "transfer agent closed" if dead is None else dead()
+
+    def _on_death(self, how: str) -> None:
+        on_death = self._on_death_ref()
+        if on_death is not None:
+            on_death(how)
 
     def call(self, cmd: Command, timeout_s: float = COMMAND_S) -> Reply:
         """Send one command and wait for its answer; a dead or silent agent raises RuntimeError."""
