@@ -293,7 +293,7 @@ class CmaEngineReads(EngineReads):
                     shape.copy_released(rb, lb)
                 else:
                     shape.copy(rb, lb)
-            except (OSError, ValueError, IndexError, TypeError) as e:  # ruled out by the checks; the agent loads it
+            except (OSError, ValueError, OverflowError, IndexError, TypeError) as e:  # ruled out; the agent loads it
                 logger.debug("cma: request %s: the engine's copy failed (%s); the agent loads it", request_id, e)
                 return False
         return self._rechecked(rows)
