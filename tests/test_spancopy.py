@@ -81,7 +81,8 @@ def test_copies_from_several_threads_at_once_each_arrive_bit_exact() -> None:
 
 def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
     src = np.random.default_rng(9).integers(0, 256, 4 << 20, dtype=np.uint8)
-    _spancopy.copy([np.zeros(1 << 20, np.uint8).ctypes.data], [src.ctypes.data], [1 << 20])  # the parent's start
+    first = np.zeros(1 << 20, np.uint8)  # kept alive through the copy: the copy writes to its address
+    _spancopy.copy([first.ctypes.data], [src.ctypes.data], [1 << 20])  # the parent's helpers start
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its split copy is exact
         code = 1
