@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,8 +93,14 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
             code = 0 if shared and np.array_equal(dst, src) and _spancopy.stats()["helpers"] >= 1 else 2
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:  # hung: a helper the child never started, or a copy that never ends
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child's copy did not finish in 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_with_no_helpers_a_large_copy_runs_on_its_caller_alone() -> None:
