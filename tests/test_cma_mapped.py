@@ -18,7 +18,6 @@ from kvxfer.connectors.cma import CmaDataPlane
 from kvxfer.connectors.cma.engine_reads import peer_shape
 from kvxfer.connectors.cma.mapped import (
     RegionFile,
-    _memcpy_keep_gil,
     copy_mapped,
     map_region,
     memcpy_spans,
@@ -128,9 +127,12 @@ def test_memcpy_spans_copies_every_span_and_keeps_the_gil_throughout() -> None:
     """The engine's copy (``memcpy_spans``): bit-exact, and one bytecode for every span, so another
     Python thread does not run mid-copy even at a 1 us switch interval (a Python loop over the
     same spans lets it run at nearly every turn)."""
+    import ctypes.util
     import sys
     import threading
 
+    memcpy_keep_gil = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").memcpy  # one span a call
+    memcpy_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     src = np.random.default_rng(3).integers(0, 255, 8 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     order = np.random.default_rng(4).permutation(2048)  # 2048 spans of 4 KiB, scattered
@@ -157,7 +159,7 @@ def test_memcpy_spans_copies_every_span_and_keeps_the_gil_throughout() -> None:
             during = turns[0] - before
             before = turns[0]
             for a, b in zip(d, s, strict=True):  # the same copies, GIL kept, from a Python loop: it runs between
-                _memcpy_keep_gil(a, b, 4096)  # turns
+                memcpy_keep_gil(a, b, 4096)  # turns
             tries.append((during, turns[0] - before))
     finally:
         sys.setswitchinterval(old)

@@ -53,10 +53,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.restype = ctypes.c_int
-# memcpy with the GIL kept, one span a call: the tests' contrast with memcpy_spans
-_memcpy_keep_gil = ctypes.PyDLL(_LIBC_NAME).memcpy
-_memcpy_keep_gil.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_memcpy_keep_gil.restype = ctypes.c_void_p
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE = mmap.PAGESIZE
 
