@@ -210,6 +210,7 @@ def test_bench_transfer_concurrency_busy_engine_and_stages_on_tcp(tmp_path: Path
     # --busy-engine: both poll styles (its default), a spinning thread in each process, and the
     # control: a spinning process of its own (a core taken, no GIL)
     busy = data["busy_engine"]
+    assert data["rounds"] == 3  # the default: each ratio's conditions in three alternating rounds (test_bench_rounds)
     assert sorted((x["poll"], x["busy"]) for x in busy) == [(p, w) for p in ("busy", "wait")
                                                              for w in ("consumer", "cpu", "producer")]
     for x in busy:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvxfer.bench import peers as peer_mod
+from kvxfer.bench.rounds import in_rounds
 from kvxfer.bench.transfer_cases import bench_cache, stat
 from kvxfer.bench.transfer_report import format_row
 from kvxfer.connector import Descriptors
@@ -38,11 +39,12 @@ def run_peer(bench: Bench, name: str) -> None:
             progress.update(i)
             descs = (d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length)
 
-            def measure(poll: str, where: str, src: np.ndarray = src, dst: np.ndarray = dst,
-                        descs: tuple[np.ndarray, ...] = descs) -> tuple[list[float], None]:
+            def measure(poll: str, where: str, budget_s: float | None = None, src: np.ndarray = src,
+                        dst: np.ndarray = dst, descs: tuple[np.ndarray, ...] = descs) -> tuple[list[float], None]:
+                budget = bench.args.budget_s if budget_s is None else budget_s
                 with bench._spin(where, pair):
                     status, r = pair.measure({"op": "read", "src": src, "dst": dst, "descs": descs,
-                                              "budget": bench.args.budget_s, "spin": where == "consumer",
+                                              "budget": budget, "spin": where == "consumer",
                                               "gap_s": bench.gap_s})
                 if status != "ok":
                     raise RuntimeError(r)
@@ -54,7 +56,7 @@ def run_peer(bench: Bench, name: str) -> None:
                                                               "stages": None, "checked": True})
                 print(format_row(bench.records[-1]), flush=True)
                 if bench.args.busy_engine:  # a peer polls its own way (NIXL: a tight loop)
-                    bench._busy_rows(name, "peer", pat, tokens, d.nbytes, ["busy"], measure, {"busy": idle})
+                    bench._busy_rows(name, "peer", pat, tokens, d.nbytes, ["busy"], measure)
             except RuntimeError as e:
                 bench.skipped[name] = f"failed at {pat} {tokens} tokens: {e}"
                 if not pair.alive():
@@ -75,13 +77,24 @@ def peer_concurrency(bench: Bench, name: str, pair: peer_mod.PeerPair) -> None:
     def tup(d: Descriptors) -> tuple[np.ndarray, ...]:
         return d.remote_region, d.remote_offset, d.local_region, d.local_offset, d.length
 
-    budget = bench.args.budget_s
-    status, one = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget,
-                                "gap_s": bench.gap_s})
-    if status == "ok":
-        status, many = pair.measure({"op": "many", "src": src, "dst": dst, "reqs": [tup(p) for p in parts],
-                                     "budget": budget, "gap_s": bench.gap_s})
-    if status != "ok":
-        bench.skipped[f"{name} --concurrency"] = str(one if status != "ok" and not isinstance(one, dict) else many)
+    lats: list[float] = []
+
+    def measure(which: str, budget_s: float) -> tuple[list[float], None]:
+        if which == "one":
+            status, r = pair.measure({"op": "read", "src": src, "dst": dst, "descs": tup(whole), "budget": budget_s,
+                                      "gap_s": bench.gap_s})
+        else:
+            status, r = pair.measure({"op": "many", "src": src, "dst": dst, "reqs": [tup(p) for p in parts],
+                                      "budget": budget_s, "gap_s": bench.gap_s})
+        if status != "ok":
+            raise RuntimeError(r)
+        if which == "many":
+            lats.extend(r["lats"])
+        return r["times"], None
+
+    try:  # one request and many in alternating rounds (rounds.py), as kvxfer's
+        got = in_rounds(("one", "many"), measure, bench.args.budget_s, bench.args.rounds)
+    except RuntimeError as e:
+        bench.skipped[f"{name} --concurrency"] = str(e)
         return
-    bench._add_concurrency(name, "peer", "busy", whole.nbytes, one["times"], None, many["times"], many["lats"], None)
+    bench._add_concurrency(name, "peer", "busy", whole.nbytes, got["one"][0], None, got["many"][0], lats, None)

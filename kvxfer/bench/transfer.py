@@ -63,7 +63,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,9 +72,10 @@ from kvxfer.agent.priority import nice_refusal
 from kvxfer.bench import peers as peer_mod
 from kvxfer.bench.held_ahead import HeldAhead
 from kvxfer.bench.peer_rows import run_peer
+from kvxfer.bench.rounds import in_rounds
+from kvxfer.bench.transfer_args import add_arguments
 from kvxfer.bench.transfer_cases import (
     BLOCK,
-    TOKENS,
     Conn,
     Spinner,
     UcxRaw,
@@ -103,6 +103,7 @@ from kvxfer.protocol import KVTransferParams
 from kvxfer.topology import ParallelLayout, remote_sources
 from kvxfer.transfer.planner import SideLayout, plan_direct
 
+BUSY_SIDES = ("consumer", "producer", "cpu")  # where --busy-engine spins (Bench._spin)
 
 def _unusable(name: str, data_path: str | None) -> str | None:
     """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
@@ -281,8 +282,9 @@ class Bench:
         return load
 
     def _measure(self, conn: Conn, fn: Callable[[], object], on_warm: Callable[[], object] | None = None,
-                 min_trials: int = 3) -> tuple[list[float], dict[str, float] | None]:
-        """Trials of ``fn`` over the budget, and the stages of the loads they made (warm-up not counted)."""
+                 min_trials: int = 3, budget_s: float | None = None) -> tuple[list[float], dict[str, float] | None]:
+        """Trials of ``fn`` over ``budget_s`` (default ``--budget-s``), and the stages of the loads
+        they made (warm-up not counted)."""
         before: dict[str, float] = {}
 
         def warm() -> None:
@@ -290,7 +292,8 @@ class Bench:
             if on_warm is not None:
                 on_warm()
 
-        times = timed(fn, self.args.budget_s, min_trials, on_warm=warm, gap_s=self.gap_s)
+        budget = self.args.budget_s if budget_s is None else budget_s
+        times = timed(fn, budget, min_trials, on_warm=warm, gap_s=self.gap_s)
         self._release_ahead()
         return times, stage_breakdown(before, conn.stats())
 
@@ -333,15 +336,20 @@ class Bench:
                     assert self._recv() == "ok"
 
     def _busy_rows(self, name: str, kind: str, pat: str, tokens: int, nbytes: int, polls: list[str],
-                   measure: Callable[[str, str], tuple[list[float], dict[str, float] | None]],
-                   idle: dict[str, tuple[list[float], dict[str, float] | None]]) -> None:
-        """--busy-engine: for each poll style, idle (``idle`` has those measured already), then
-        a spinning thread in the consumer, then in the producer; a record per busy side."""
+                   measure: Callable[[str, str, float], tuple[list[float], dict[str, float] | None]]) -> None:
+        """--busy-engine: for each poll style, idle, a spinning thread in the consumer, one in the
+        producer, and a spinning process (``cpu``), in alternating rounds (``rounds.py``); a record
+        per busy side, against the idle trials of the same rounds."""
         for poll in polls:
-            base = idle[poll] if poll in idle else measure(poll, "idle")
+            def measure_poll(where: str, budget_s: float, poll: str = poll
+                             ) -> tuple[list[float], dict[str, float] | None]:
+                return measure(poll, where, budget_s)
+
+            got = in_rounds(("idle", *BUSY_SIDES), measure_poll, self.args.budget_s, self.args.rounds)
+            base = got["idle"]
             i = stat(base[0], nbytes)
-            for where in ("consumer", "producer", "cpu"):
-                times, stages = measure(poll, where)
+            for where in BUSY_SIDES:
+                times, stages = got[where]
                 b = stat(times, nbytes)
                 self.busy_records.append({
                     "connector": name, "kind": kind, "pattern": pat, "tokens": tokens, "blocks": tokens // BLOCK,
@@ -380,11 +388,11 @@ class Bench:
         results: dict[str, dict[str, Any]] = {}
         for name, conn in self.conns.items():
 
-            def measure(poll: str, where: str, name: str = name,
+            def measure(poll: str, where: str, budget_s: float | None = None, name: str = name,
                         conn: Conn = conn) -> tuple[list[float], dict[str, float] | None]:
                 clear(self.cache, dst)
-                with self._spin(where):
-                    out = self._measure(conn, self._load_fn(name, conn, src, dst, poll))  # warm-up: the handshake
+                with self._spin(where):  # warm-up: the handshake
+                    out = self._measure(conn, self._load_fn(name, conn, src, dst, poll), budget_s=budget_s)
                 check_arrived(self.cache, src, dst, name)
                 return out
 
@@ -392,8 +400,7 @@ class Bench:
             results[name] = {**stat(times, nbytes), "descriptors": len(descs), "poll": self.poll, "stages": stages,
                              "checked": True}
             if self.args.busy_engine:
-                self._busy_rows(name, "connector", pat, tokens, nbytes, self.polls, measure,
-                                {self.poll: (times, stages)})
+                self._busy_rows(name, "connector", pat, tokens, nbytes, self.polls, measure)
         baselines = {"memcpy": stat(timed(lambda: self.memcpy_dst[:nbytes].copy_(self.memcpy_src[:nbytes]),
                                           budget, gap_s=self.gap_s), nbytes)}
         baselines["raw socket"] = stat(self._raw_socket(descs, budget, spliced=False), nbytes)
@@ -413,18 +420,27 @@ class Bench:
         self._print_case(pat, tokens)
 
     def _concurrency(self, name: str, conn: Conn) -> None:
-        """--concurrency: one request of N*K blocks, then N requests of K blocks in flight at once."""
+        """--concurrency: one request of N*K blocks and N requests of K blocks in flight at once,
+        in alternating rounds (``rounds.py``)."""
         assert self.conc is not None
         srcs, dsts = self.conc
         src, dst = np.concatenate(srcs), np.concatenate(dsts)
-        clear(self.cache, dst)
-        one, one_stages = self._measure(conn, self._load_fn(name, conn, src, dst, self.poll))
-        check_arrived(self.cache, src, dst, name)
-        clear(self.cache, dst)
         lats: list[float] = []
-        many, many_stages = self._measure(conn, self._many_fn(name, conn, srcs, dsts, self.poll, lats),
-                                          on_warm=lats.clear)
-        check_arrived(self.cache, src, dst, name)
+
+        def measure(which: str, budget_s: float) -> tuple[list[float], dict[str, float] | None]:
+            clear(self.cache, dst)
+            if which == "one":
+                out = self._measure(conn, self._load_fn(name, conn, src, dst, self.poll), budget_s=budget_s)
+            else:
+                got: list[float] = []  # this round's latencies, the warm-up's dropped
+                out = self._measure(conn, self._many_fn(name, conn, srcs, dsts, self.poll, got), on_warm=got.clear,
+                                    budget_s=budget_s)
+                lats.extend(got)
+            check_arrived(self.cache, src, dst, name)
+            return out
+
+        got = in_rounds(("one", "many"), measure, self.args.budget_s, self.args.rounds)
+        (one, one_stages), (many, many_stages) = got["one"], got["many"]
         self._add_concurrency(name, "connector", self.poll, len(src) * self.bytes_per_block, one, one_stages,
                               many, lats, many_stages)
 
@@ -511,46 +527,6 @@ class Bench:
                 print(format_row(r), flush=True)
 
 
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--connectors", nargs="+", default=None, metavar="NAME",
-                    help="data planes to measure (default: every installed one that works across processes); "
-                         "ucx-nocma: the ucx plane with same_host: ucx (UCX's own wire on this host too; by default "
-                         "it reads this host's producers with CMA); tcp-copy: the tcp plane with unix_send: copy "
-                         "(sendmsg on this host's Unix sockets, two copies; by default the producer splices its pages "
-                         "in); ucx-2s: with reads: two-sided (every producer "
-                         "over UCX); ucx-native: same_host: ucx, rma_progress: native; cma-agent: the cma plane with "
-                         "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
-                         "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "
-                         "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight); "
-                         "tcp-nice, ucx-nice, cma-nice, ucx-nocma-nice: agent_nice: -10 (the transfer agents preempt a "
-                         "spinning engine)")
-    ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")
-    ap.add_argument("--patterns", nargs="+", choices=["contiguous", "random"], default=["contiguous", "random"])
-    ap.add_argument("--peers", action="store_true",
-                    help="also measure NIXL (on three transport sets: nixl, nixl-tcp, nixl-nocma) and Mooncake "
-                         "when installed")
-    ap.add_argument("--budget-s", type=float, default=1.0, help="time spent on each measurement's trials")
-    ap.add_argument("--gap-ms", type=float, default=0.0, metavar="MS",
-                    help="idle time before every trial of every row, peers and baselines too (default 0: back to "
-                         "back): requests that arrive spaced, as a serving engine's do")
-    ap.add_argument("--concurrency", type=int, nargs="?", const=64, default=0, metavar="N",
-                    help="also N requests (default 64) of --blocks random blocks each in flight at once, against "
-                         "one request of all their blocks")
-    ap.add_argument("--blocks", type=int, default=2, metavar="K", help="blocks per request for --concurrency")
-    ap.add_argument("--busy-engine", action="store_true",
-                    help="also every case with a Python thread spinning in the consumer, then the producer process")
-    ap.add_argument("--poll", choices=["wait", "busy", "both"], default=None,
-                    help="how the engine thread waits: poll(timeout_s=...) (wait) or poll() in a tight loop (busy); "
-                         "both: the main table waits, --busy-engine has rows for both (its default)")
-    ap.add_argument("--data-path", choices=["auto", "agent", "engine"], default=None,
-                    help="connector.data_path of every connector measured (default: the config's default)")
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH")
-    ap.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                    help="PNG: GB/s against request size (with --busy-engine also PATH-busy.png)")
-
-
-
 def run(args: argparse.Namespace) -> int:
     for t in args.tokens:
         if t < 1 or t % BLOCK:
@@ -558,6 +534,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if args.gap_ms < 0:
         print(f"error: --gap-ms: expected >= 0, got {args.gap_ms:g}", file=sys.stderr)
+        return 1
+    if args.rounds < 1:
+        print(f"error: --rounds: expected at least 1, got {args.rounds}", file=sys.stderr)
         return 1
     if args.concurrency < 0 or args.blocks < 1:
         print("error: --concurrency and --blocks: expected positive counts", file=sys.stderr)
@@ -568,7 +547,9 @@ def run(args: argparse.Namespace) -> int:
           f"{machine}")
     print(f"connectors: {', '.join(bench.names) or 'none'}; peers: {', '.join(bench.peers) or 'off (--peers)'}; "
           f"poll: {bench.poll}; data path: {args.data_path or 'default'}"
-          + (f"; {args.gap_ms:g} ms idle before each trial" if args.gap_ms else ""))
+          + (f"; {args.gap_ms:g} ms idle before each trial" if args.gap_ms else "")
+          + (f"; busy/idle and concurrency ratios in {args.rounds} alternating rounds"
+             if args.busy_engine or args.concurrency else ""))
     print(HEADER)
     print("-" * len(HEADER))
     records = bench.run()
@@ -579,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {"machine": machine, "skipped": bench.skipped, "records": records,
                                "against_nixl": comparisons,
                                "poll": bench.poll, "data_path": args.data_path, "gap_ms": args.gap_ms,
+                               "rounds": args.rounds,
                                "busy_engine": bench.busy_records, "concurrency": bench.concurrency_records})
     if args.plot:
         write_plots(args.plot, f"kvxfer bench transfer, two processes on one host ({machine})", records,
