@@ -89,6 +89,9 @@ def test_bench_transfer_refuses_partial_blocks() -> None:
     r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "transfer", "--gap-ms", "-1"], capture_output=True,
                        text=True, timeout=60, cwd=REPO)
     assert r.returncode == 1 and "--gap-ms: expected >= 0, got -1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "transfer", "--rounds", "0"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 1 and "--rounds: expected at least 1, got 0" in r.stderr
 
 
 def test_spaced_trials_start_after_the_gap_which_the_budget_does_not_count() -> None:
@@ -210,18 +213,22 @@ def test_bench_transfer_concurrency_busy_engine_and_stages_on_tcp(tmp_path: Path
     # --busy-engine: both poll styles (its default), a spinning thread in each process, and the
     # control: a spinning process of its own (a core taken, no GIL)
     busy = data["busy_engine"]
-    assert data["rounds"] == 3  # the default: each ratio's conditions in three alternating rounds (test_bench_rounds)
+    # the default --rounds 3: each ratio's conditions in three alternating rounds (test_bench_rounds), each
+    # round at least 3 trials after its own warm-up, pooled: at least 9 a side
+    assert data["rounds"] == 3
     assert sorted((x["poll"], x["busy"]) for x in busy) == [(p, w) for p in ("busy", "wait")
                                                              for w in ("consumer", "cpu", "producer")]
     for x in busy:
         assert x["checked"] and x["connector"] == "tcp" and x["bytes"] == 2**21
         assert x["gbps_ratio"] == x["busy_gbps"] / x["idle_gbps"]
         assert x["p50_ratio"] == x["busy_p50_us"] / x["idle_p50_us"]
-        assert x["busy_stages"]["loads"] >= 3
+        assert x["busy_stages"]["loads"] >= 9 and x["idle_stages"]["loads"] >= 9
+        assert x["busy_trials"] >= 9 and x["idle_trials"] >= 9
     (conc,) = data["concurrency"]
     assert conc["checked"] and (conc["requests"], conc["blocks_per_request"], conc["bytes"]) == (4, 2, 8 * 2**21)
     assert conc["ratio"] == conc["gbps"] / conc["single_gbps"] and conc["latency_p99_us"] >= conc["latency_p50_us"] > 0
-    assert conc["stages"]["loads"] >= 4 * 3 and conc["single_stages"]["loads"] >= 3
+    assert conc["stages"]["loads"] >= 4 * 9 and conc["single_stages"]["loads"] >= 9
+    assert conc["trials"] >= 9 and conc["single_trials"] >= 9
     assert "busy engine" in r.stdout and "concurrency: 4 requests" in r.stdout
     assert png.read_bytes()[:8] == PNG and (tmp_path / "out-busy.png").read_bytes()[:8] == PNG
 

@@ -40,8 +40,16 @@ def test_one_round_is_one_measurement_each_and_zero_is_refused() -> None:
 
 
 def test_stages_pool_weighted_by_loads_and_a_stage_only_some_rounds_have() -> None:
-    pooled = pool_stages([{"loads": 1.0, "plan_us": 10.0, "handoff_us": 4.0},
+    pooled = pool_stages([{"loads": 1.0, "plan_us": 10.0, "queue_us": 4.0},
                           {"loads": 3.0, "plan_us": 30.0},
                           {"loads": 0.0, "plan_us": 999.0}])  # no load: not counted
-    assert pooled == {"loads": 4.0, "plan_us": pytest.approx(25.0), "handoff_us": 4.0}
+    assert pooled == {"loads": 4.0, "plan_us": pytest.approx(25.0), "queue_us": 4.0}
     assert pool_stages([]) is None and pool_stages([{"loads": 0.0}]) is None
+
+
+def test_the_handoff_pools_over_its_handoffs_not_its_loads() -> None:
+    """stage_breakdown averages the handoff over the handoffs counted, which a burst's loads need
+    not equal: pooled, each measurement's handoff weighs by its handoffs."""
+    pooled = pool_stages([{"loads": 4.0, "handoff_us": 100.0, "handoffs": 1.0},
+                          {"loads": 1.0, "handoff_us": 10.0, "handoffs": 3.0}])
+    assert pooled == {"loads": 5.0, "handoff_us": pytest.approx((100 + 30) / 4), "handoffs": 4.0}

@@ -67,7 +67,10 @@ def run_peer(bench: Bench, name: str) -> None:
     finally:
         pair.close()
 
+
 def peer_concurrency(bench: Bench, name: str, pair: peer_mod.PeerPair) -> None:
+    """--concurrency for a peer: one request of all the blocks and the requests in flight at once,
+    in alternating rounds as kvxfer's (``rounds.py``); a failed measurement skips the row, named."""
     assert bench.conc is not None
     srcs, dsts = bench.conc
     src, dst = np.concatenate(srcs), np.concatenate(dsts)

@@ -34,15 +34,24 @@ def in_rounds(conditions: Sequence[str], measure: Callable[[str, float], Measure
     return {c: (times[c], pool_stages(stages[c])) for c in conditions}
 
 
+COUNTS = {"handoff_us": "handoffs"}  # a stage averaged over a count of its own (stage_breakdown), not loads
+
+
 def pool_stages(parts: Sequence[Stages]) -> Stages | None:
-    """Per-load stage means (``stage_breakdown``'s) of several measurements as one: each stage
-    weighted by the loads of the measurements that have it; ``loads`` summed. None: none had any."""
+    """Stage means (``stage_breakdown``'s) of several measurements as one: each stage weighted by
+    what it was averaged over in the measurements that have it (its loads; the handoff, its
+    handoffs); the counts summed. None: none had a load."""
     parts = [p for p in parts if p.get("loads", 0) > 0]
     if not parts:
         return None
-    out: Stages = {"loads": sum(p["loads"] for p in parts)}
-    for key in dict.fromkeys(k for p in parts for k in p if k != "loads"):
+    counts = {"loads", *COUNTS.values()}
+    out: Stages = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
         having = [p for p in parts if key in p]
-        loads = sum(p["loads"] for p in having)
-        out[key] = sum(p[key] * p["loads"] for p in having) / loads
+        if key in counts:
+            out[key] = sum(p[key] for p in having)
+            continue
+        weight = COUNTS.get(key, "loads")
+        total = sum(p.get(weight, p["loads"]) for p in having)
+        out[key] = sum(p[key] * p.get(weight, p["loads"]) for p in having) / total
     return out

@@ -34,11 +34,17 @@ each connector (start_load all, then poll until all finished) against one reques
 same N*K blocks: aggregate GB/s, its ratio to the one request, per-request latency p50/p99.
 
 ``--busy-engine``: every case again with a Python thread spinning in pure Python in this
-(consumer) process, then in the producer process (peers too, in their own process pair):
+(consumer) process, and in the producer process (peers too, in their own process pair):
 busy/idle ratios of GB/s and p50 latency, for each poll style. A third row, ``cpu``, spins
 in a process of its own: the same lost core without any GIL, the control that tells what a
 busy engine costs through its GIL from what it costs by taking a core (on a 2-core machine,
 a spinning thread takes half of it).
+
+``--rounds R`` (3): the conditions of each ratio (idle and the three busy rows; one request and
+many) run in R alternating rounds of ``--budget-s``/R each, their trials pooled
+(:mod:`kvxfer.bench.rounds`), so the machine's drift falls on both sides. The busy table's idle
+figure is measured in those rounds, not taken from the main table. Each round has its own
+warm-up load and at least 3 trials.
 
 ``--gap-ms G``: every trial of every row (connectors, peers, baselines) starts after G ms idle,
 as requests arrive in serving, instead of back to back. On a VM a process that idled for
@@ -57,6 +63,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import select
 import socket
 import subprocess
 import sys
@@ -104,6 +111,22 @@ from kvxfer.topology import ParallelLayout, remote_sources
 from kvxfer.transfer.planner import SideLayout, plan_direct
 
 BUSY_SIDES = ("consumer", "producer", "cpu")  # where --busy-engine spins (Bench._spin)
+CPU_SPINNER_START_S = 30.0  # the cpu row's spinning process says it spins within this
+
+
+def _start_cpu_spinner() -> subprocess.Popen[bytes]:
+    """A process spinning in pure Python (the ``cpu`` row), returned once it spins: the trials
+    of a round (``--rounds``) must not start while its interpreter is still starting."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdout.write('s')\nsys.stdout.flush()\n"
+                             "while True: pass"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], CPU_SPINNER_START_S)
+    if not ready or proc.stdout.read(1) != b"s":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the cpu row's spinning process did not start in {CPU_SPINNER_START_S:g}s")
+    return proc
+
 
 def _unusable(name: str, data_path: str | None) -> str | None:
     """None when data plane ``name`` starts here; else why not (e.g. ucx without its extra)."""
@@ -311,7 +334,7 @@ class Bench:
     def _spin(self, where: str, pair: peer_mod.PeerPair | None = None) -> Iterator[None]:
         """A Python thread spinning in ``where``: "consumer" (this process; a peer's consumer
         spins itself), "producer" (the producer process), or "idle" (none)."""
-        cpu = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if where == "cpu" else None
+        cpu = _start_cpu_spinner() if where == "cpu" else None
         if where == "consumer" and pair is None:
             self.spinner.set(True)
         elif where == "producer":
@@ -432,10 +455,10 @@ class Bench:
             if which == "one":
                 out = self._measure(conn, self._load_fn(name, conn, src, dst, self.poll), budget_s=budget_s)
             else:
-                got: list[float] = []  # this round's latencies, the warm-up's dropped
-                out = self._measure(conn, self._many_fn(name, conn, srcs, dsts, self.poll, got), on_warm=got.clear,
-                                    budget_s=budget_s)
-                lats.extend(got)
+                round_lats: list[float] = []  # this round's, the warm-up's dropped
+                out = self._measure(conn, self._many_fn(name, conn, srcs, dsts, self.poll, round_lats),
+                                    on_warm=round_lats.clear, budget_s=budget_s)
+                lats.extend(round_lats)
             check_arrived(self.cache, src, dst, name)
             return out
 

@@ -36,9 +36,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--blocks", type=int, default=2, metavar="K", help="blocks per request for --concurrency")
     ap.add_argument("--rounds", type=int, default=3, metavar="R",
                     help="--busy-engine and --concurrency measure each ratio's conditions in R alternating rounds "
-                         "of --budget-s/R each, trials pooled: drift of the machine's speed falls on both sides")
+                         "of --budget-s/R each (each with its own warm-up load and at least 3 trials), trials "
+                         "pooled: drift of the machine's speed falls on both sides (default 3)")
     ap.add_argument("--busy-engine", action="store_true",
-                    help="also every case with a Python thread spinning in the consumer, then the producer process")
+                    help="also every case with a Python thread spinning in the consumer, in the producer process, "
+                         "and a spinning process of its own (cpu)")
     ap.add_argument("--poll", choices=["wait", "busy", "both"], default=None,
                     help="how the engine thread waits: poll(timeout_s=...) (wait) or poll() in a tight loop (busy); "
                          "both: the main table waits, --busy-engine has rows for both (its default)")

@@ -352,8 +352,8 @@ STAGES = ("queue", "plan", "request", "bytes", "transfer", "complete", "handoff"
 
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
     """Mean seconds per load (as ``<stage>_us``) of each stage ``Connector.stats()`` sums
-    (``stage_<stage>_s``), between two snapshots; None when no load finished in between (or the
-    connector counts no stages)."""
+    (``stage_<stage>_s``), between two snapshots, the handoff per handoff (``handoffs`` of them);
+    None when no load finished in between (or the connector counts no stages)."""
     n = after.get("stage_loads", 0.0) - before.get("stage_loads", 0.0)
     if n <= 0:
         return None
@@ -365,4 +365,6 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         over = after.get("stage_handoffs", 0.0) - before.get("stage_handoffs", 0.0) if k == "handoff" else n
         if over > 0:
             out[f"{k}_us"] = (after[key] - before.get(key, 0.0)) / over * 1e6
+            if k == "handoff":
+                out["handoffs"] = over
     return out
