@@ -283,7 +283,9 @@ def test_the_vllm_bench_runs(tmp_path: Path) -> None:
                         "--busy-decode", "2", "--busy-output", "16", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["agent_cpus"] == "engine"  # the default --cpus 0 1: servers on cores of their own (docs/vllm.md)
     assert [row["connector"] for row in rows][-1] == "kvxfer-cma"
     assert rows[-1]["failed_transfers"] == 0 and rows[-1]["transfers_measured"] == 1
     busy = rows[-1]["busy"]  # the same request count again, other requests decoding meanwhile

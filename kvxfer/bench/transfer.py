@@ -333,7 +333,8 @@ class Bench:
     @contextmanager
     def _spin(self, where: str, pair: peer_mod.PeerPair | None = None) -> Iterator[None]:
         """A Python thread spinning in ``where``: "consumer" (this process; a peer's consumer
-        spins itself), "producer" (the producer process), or "idle" (none)."""
+        spins itself), "producer" (the producer process), "cpu" (a process of its own, waited for
+        until it spins), or "idle" (none)."""
         cpu = _start_cpu_spinner() if where == "cpu" else None
         if where == "consumer" and pair is None:
             self.spinner.set(True)
@@ -349,6 +350,8 @@ class Bench:
             if cpu is not None:
                 cpu.kill()
                 cpu.wait()
+                if cpu.stdout is not None:
+                    cpu.stdout.close()
             if where == "consumer" and pair is None:
                 self.spinner.set(False)
             elif where == "producer":

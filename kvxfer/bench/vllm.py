@@ -191,6 +191,30 @@ def _stages(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return out
 
 
+def bound_cpus(bind: str) -> set[int] | None:
+    """The CPUs a ``VLLM_CPU_OMP_THREADS_BIND`` value names (``0``, ``0-3``, ``0,2``); None for
+    ``none``/``auto`` or anything else this does not read."""
+    cpus: set[int] = set()
+    for part in bind.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            return None
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus or None
+
+
+def default_agent_cpus(binds: list[str]) -> str:
+    """``connector.agent_cpus`` for this layout, as docs/vllm.md advises: ``engine`` when every
+    server is bound to cores no other server has (an agent anywhere else lands on the other
+    server's core and waits behind its busy loop, in that server's session; on its worker's core
+    it competes inside its own, as NIXL's progress thread does); else the connector's default
+    (``any``: unbound servers, or more workers than cores)."""
+    sets = [s for s in (bound_cpus(b) for b in binds) if s is not None]
+    if len(sets) == len(binds) and len(set().union(*sets)) == sum(len(s) for s in sets):
+        return "engine"
+    return ConnectorConfig().agent_cpus
+
+
 def run_pair(connector: str, model: Path, prompts: list[list[int]], warmup: int, output: int, dtype: str,
              logdir: Path, cpus: tuple[str | None, str | None] = ("0", "1"), busy_decode: int = 0,
              busy_prompts: list[list[int]] | None = None, busy_output: int = 128,
@@ -262,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="VLLM_CPU_OMP_THREADS_BIND of each server ('none': unbound); default: one core each")
     ap.add_argument("--agent-cpus", choices=["any", "engine"], default=None,
                     help="kvxfer's connector.agent_cpus: 'engine' keeps each transfer agent on its worker's core "
-                         "(default: the connector's default, any)")
+                         "(default: engine where --cpus gives the two servers cores of their own, as docs/vllm.md "
+                         "advises for that layout; else the connector's default, any)")
     ap.add_argument("--agent-nice", type=int, default=0, metavar="N",
                     help="kvxfer's connector.agent_nice: each transfer agent's nice value (-10: its threads preempt "
                          "its worker's busy ones; needs CAP_SYS_NICE); default 0")
@@ -297,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_tokens)] for _ in range(args.warmup + args.requests)]
     busy_prompts = [[rng.randrange(3, 1000) for _ in range(args.prompt_tokens)]
                     for _ in range(args.requests if args.busy_decode else 0)]
+    agent_cpus = args.agent_cpus or default_agent_cpus(args.cpus)
     rows = []
     for c in args.connectors:
         if c in missing:
@@ -305,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.append(run_pair(c, model, prompts, args.warmup, args.output, args.dtype, work,
                                  cpus,  # type: ignore[arg-type]
-                                 args.busy_decode, busy_prompts, args.busy_output, args.agent_cpus, args.agent_nice))
+                                 args.busy_decode, busy_prompts, args.busy_output, agent_cpus, args.agent_nice))
         except (TimeoutError, OSError, RuntimeError) as e:  # one pair's failure (NIXL's engine died here once)
             missing[c] = f"failed: {type(e).__name__}: {e} (its servers' logs: {work}/{c}-*.log)"
             print(f"{c}: {missing[c]}", file=sys.stderr)
@@ -325,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
                                            if base and "busy" in base else None)
             b["transfer_ratio_to_nixl_default"] = (b["transfer_mean_ms"] / dflt["busy"]["transfer_mean_ms"]
                                                    if dflt and "busy" in dflt else None)
-    agent_cpus = args.agent_cpus or ConnectorConfig().agent_cpus
     print(f"kvxfer bench vllm: {model}, {args.prompt_tokens}-token prompts, {args.requests} requests "
           f"(+{args.warmup} warm-up), {args.output} output tokens, {args.dtype}, kvxfer agent_cpus: {agent_cpus}, "
           f"agent_nice: {args.agent_nice}; "
