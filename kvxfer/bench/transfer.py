@@ -63,9 +63,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
-import select
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -95,6 +93,7 @@ from kvxfer.bench.transfer_cases import (
     producer,
     region_views,
     stage_breakdown,
+    start_cpu_spinner,
     stat,
     timed,
     ucx_runtime_plane,
@@ -111,21 +110,6 @@ from kvxfer.topology import ParallelLayout, remote_sources
 from kvxfer.transfer.planner import SideLayout, plan_direct
 
 BUSY_SIDES = ("consumer", "producer", "cpu")  # where --busy-engine spins (Bench._spin)
-CPU_SPINNER_START_S = 30.0  # the cpu row's spinning process says it spins within this
-
-
-def _start_cpu_spinner() -> subprocess.Popen[bytes]:
-    """A process spinning in pure Python (the ``cpu`` row), returned once it spins: the trials
-    of a round (``--rounds``) must not start while its interpreter is still starting."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdout.write('s')\nsys.stdout.flush()\n"
-                             "while True: pass"], stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], CPU_SPINNER_START_S)
-    if not ready or proc.stdout.read(1) != b"s":
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"the cpu row's spinning process did not start in {CPU_SPINNER_START_S:g}s")
-    return proc
 
 
 def _unusable(name: str, data_path: str | None) -> str | None:
@@ -335,7 +319,7 @@ class Bench:
         """A Python thread spinning in ``where``: "consumer" (this process; a peer's consumer
         spins itself), "producer" (the producer process), "cpu" (a process of its own, waited for
         until it spins), or "idle" (none)."""
-        cpu = _start_cpu_spinner() if where == "cpu" else None
+        cpu = start_cpu_spinner() if where == "cpu" else None
         if where == "consumer" and pair is None:
             self.spinner.set(True)
         elif where == "producer":

@@ -7,8 +7,11 @@ same cache, checks and timing, so a peer's numbers compare with kvxfer's.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -87,6 +90,23 @@ def make_cfg(role: Role, connector: str, num_blocks: int, data_path: str | None 
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, dtype="bfloat16"),
         connector=ConnectorConfig(name=plane, side_channel=SideChannelConfig(port=0), **extra),
     )
+
+
+CPU_SPINNER_START_S = 30.0  # the cpu row's spinning process says it spins within this
+
+
+def start_cpu_spinner() -> subprocess.Popen[bytes]:
+    """A process spinning in pure Python (the ``cpu`` row), returned once it spins: the trials
+    of a round (``--rounds``) must not start while its interpreter is still starting."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdout.write('s')\nsys.stdout.flush()\n"
+                             "while True: pass"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], CPU_SPINNER_START_S)
+    if not ready or proc.stdout.read(1) != b"s":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the cpu row's spinning process did not start in {CPU_SPINNER_START_S:g}s")
+    return proc
 
 
 class Spinner:
