@@ -51,7 +51,6 @@ def pool_stages(parts: Sequence[Stages]) -> Stages | None:
         if key in counts:
             out[key] = sum(p[key] for p in having)
             continue
-        weight = COUNTS.get(key, "loads")
-        total = sum(p.get(weight, p["loads"]) for p in having)
-        out[key] = sum(p[key] * p.get(weight, p["loads"]) for p in having) / total
+        weight = COUNTS.get(key, "loads")  # stage_breakdown gives a stage's count wherever it gives the stage
+        out[key] = sum(p[key] * p[weight] for p in having) / sum(p[weight] for p in having)
     return out
