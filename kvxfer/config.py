@@ -317,6 +317,11 @@ class ConnectorConfig(Config, frozen=True):
     # Python thread of the engine then hands the GIL to the thread that sees a load finish after this
     # long, not CPython's 5 ms. 0: never changed.
     gil_switch_interval_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.0005
+    # With a transfer agent, while a ``poll(timeout_s)`` waits (GIL released) for one of those loads:
+    # only the engine's other threads run Python meanwhile, and the woken thread has the GIL this long
+    # after it asks (kvxfer/switch_interval.py). 0: the in-flight value serves the wait too (and with
+    # gil_switch_interval_s 0 this one is off as well: kvxfer never touches the interval).
+    gil_wait_switch_interval_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.00005
 
     @check("data_plane")
     def _check_data_plane(self) -> Iterator[Problem]:

@@ -169,7 +169,7 @@ class Connector:
         c = cls.in_process(config, rank)
         # in the engine's process its transfer threads need the engine's GIL for every read, served
         # or made (kvxfer.switch_interval): the short interval while loads or holds are in flight
-        c._switch = SwitchInterval(config.connector.gil_switch_interval_s)
+        c._switch = SwitchInterval(config.connector.gil_switch_interval_s)  # its waits need its threads: no wait claim
         return c
 
     @classmethod

@@ -4,6 +4,7 @@ own value comes back after (kvxfer/switch_interval.py)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,8 +26,9 @@ def cpython_default() -> Iterator[float]:
     sys.setswitchinterval(0.005)
     yield 0.005
     sys.setswitchinterval(old)
-    assert switch_interval._holders == 0, "a test left a claim on the switch interval"
+    assert switch_interval._holders == 0 and switch_interval._waiters == 0, "a test left a claim on the interval"
     switch_interval._holders, switch_interval._saved, switch_interval._ours = 0, None, None
+    switch_interval._waiters = 0
 
 
 def test_the_interval_is_short_while_any_connector_wants_it_and_comes_back_after_the_last() -> None:
@@ -64,6 +66,42 @@ def test_zero_never_touches_it_and_an_interval_already_shorter_is_not_raised() -
     assert sys.getswitchinterval() == pytest.approx(0.0001)
     with pytest.raises(ValueError, match="gil_switch_interval_s"):
         SwitchInterval(-1.0)
+
+
+def test_a_wait_for_loads_in_flight_is_shorter_still_and_each_claim_comes_back_in_turn() -> None:
+    s = SwitchInterval(0.0005, wait_s=0.00005)
+    with s.waiting():  # nothing in flight (a prefill waiting for its holds): nothing changes
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    s.want(True)
+    with s.waiting():
+        assert sys.getswitchinterval() == pytest.approx(0.00005)
+        other = SwitchInterval(0.0005, wait_s=0.00005)
+        other.want(True)
+        with other.waiting():  # two waits at once (two ranks in one process)
+            assert sys.getswitchinterval() == pytest.approx(0.00005)
+        assert sys.getswitchinterval() == pytest.approx(0.00005), "s still waits"
+        other.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.0005), "after the wait: loads still in flight"
+    s.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_a_wait_ends_with_the_engines_value_if_it_set_one_and_off_switches_change_nothing() -> None:
+    s = SwitchInterval(0.0005, wait_s=0.00005)
+    s.want(True)
+    with s.waiting():
+        sys.setswitchinterval(0.002)  # the engine's own choice (another thread), made during the wait
+    assert sys.getswitchinterval() == pytest.approx(0.0005), "the engine's 2 ms is its own; loads in flight"
+    s.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.002), "the engine's value, not the one found before"
+    for off in (SwitchInterval(0.0005, wait_s=0.0), SwitchInterval(0.0, wait_s=0.00005)):
+        off.want(True)
+        with off.waiting():
+            assert sys.getswitchinterval() == pytest.approx(0.0005 if off.interval_s else 0.002)
+        off.want(False)
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="gil_wait_switch_interval_s"):
+        SwitchInterval(0.0005, wait_s=-1.0)
 
 
 def test_a_closed_claim_is_given_up_for_good() -> None:
@@ -154,3 +192,37 @@ def test_a_hold_in_the_engines_process_shortens_the_interval_until_a_poll_finds_
     finally:
         c.close()
         p.close()
+
+
+def test_a_poll_that_waits_for_a_load_through_the_agent_has_the_wait_interval_meanwhile() -> None:
+    """Sampled from another thread while the engine's thread waits in ``poll(timeout_s)``: the wait's
+    interval (50 us by default), the in-flight one after the wait, the engine's once nothing is in flight."""
+    p, _ = make(cfg("prefill"), fill=1)
+    c, _ = make(cfg("decode", hold_wait_s=2.0))
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(sys.getswitchinterval())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    try:
+        assert isinstance(c, AgentConnector)
+        params = p.hold("r1", [1, 2], 20)
+        p.release("r1")  # not held: the consumer retries for hold_wait_s, so the load stays in flight
+        c.start_load("r1", params, [7, 8])
+        sampler.start()
+        assert c.poll(0.3).receiving == []
+        stop.set()
+        sampler.join()
+        assert seen and min(seen) == pytest.approx(0.00005), f"the wait's interval, sampled: {sorted(set(seen))}"
+        assert sys.getswitchinterval() == pytest.approx(0.0005), "after the wait, r1 still in flight"
+        assert wait_for(c, "r1").failed, "r1 was never held: it fails"
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        stop.set()
+        c.close()
+        p.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -121,7 +122,8 @@ class AgentConnector:
         self._dead: str | None = None  # why the agent is gone
         self._closed = False
         # the interpreter's switch interval, short while loads are in flight (switch_interval.py)
-        self._switch = SwitchInterval(config.connector.gil_switch_interval_s)
+        self._switch = SwitchInterval(config.connector.gil_switch_interval_s,
+                                       config.connector.gil_wait_switch_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
     def register_kv_caches(self, cache: KVCache) -> None:
@@ -523,15 +525,23 @@ class AgentConnector:
             if events is not None and self._dead is None:
                 try:
                     deadline = time.monotonic() + timeout_s
-                    ev = events.recv(timeout_s)
+                    ev = self._wait_event(events, timeout_s)
                     while ev is not None:
                         self._take(ev, out)
                         ev = events.recv(0.0)
                         if ev is None and not out and (left := deadline - time.monotonic()) > 0:
-                            ev = events.recv(left)  # it only named a producer (PeerKnown): wait on
+                            ev = self._wait_event(events, left)  # it only named a producer (PeerKnown): wait on
                 except ChannelClosed as e:
                     self._agent_died(f"exited ({e})")
                 self._check_deadlines()
+
+    def _wait_event(self, events: Channel, timeout_s: float) -> Event | None:
+        """The agent's next event within ``timeout_s``; a wait with loads in flight has the wait's
+        switch interval (switch_interval.py): the event's thread gets the GIL soon after it asks."""
+        if timeout_s <= 0:
+            return cast("Event | None", events.recv(0.0))
+        with self._switch.waiting():
+            return cast("Event | None", events.recv(timeout_s))
 
     def _take(self, ev: Event, out: Finished) -> None:
         """One event into ``out``: only loads still recorded here (one the agent's death already

@@ -19,6 +19,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "engine_copy_bytes: 0 (every load through the transfer agent; by default the engine's "
                          "thread copies a small load itself); tcp-noswitch, ucx-noswitch, cma-noswitch: "
                          "gil_switch_interval_s: 0 (CPython's own switch interval while loads are in flight); "
+                         "tcp-nowaitswitch, ucx-nowaitswitch, cma-nowaitswitch: gil_wait_switch_interval_s: 0 (a "
+                         "poll that waits keeps the in-flight interval); "
                          "tcp-nice, ucx-nice, cma-nice, ucx-nocma-nice: agent_nice: -10 (the transfer agents preempt a "
                          "spinning engine)")
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="request sizes in tokens (16 per block)")

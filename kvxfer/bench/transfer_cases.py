@@ -64,6 +64,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     **{f"{p}-noswitch": (p, {}, {"gil_switch_interval_s": 0.0}) for p in ("tcp", "ucx", "cma")},
     # a switch interval of 0.1 ms while loads are in flight (the default is 0.5)
     **{f"{p}-switch100us": (p, {}, {"gil_switch_interval_s": 0.0001}) for p in ("tcp", "ucx", "cma")},
+    # a poll(timeout_s) waits with the in-flight interval, not the wait's 50 us (gil_wait_switch_interval_s: 0)
+    **{f"{p}-nowaitswitch": (p, {}, {"gil_wait_switch_interval_s": 0.0}) for p in ("tcp", "ucx", "cma")},
     # the transfer agents at nice -10 (connector.agent_nice): they preempt a spinning engine for a core
     **{f"{p}-nice": (p, {}, {"agent_nice": NICE}) for p in ("tcp", "ucx", "cma")},
     "ucx-nocma-nice": ("ucx", {"same_host": "ucx"}, {"agent_nice": NICE}),
