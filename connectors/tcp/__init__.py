@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -45,8 +45,18 @@ from kvxfer.dataplane import (
     ReadRefused,
     check_bounds,
     check_read,
+    check_read_parts,
 )
-from kvxfer.protocol import DataHello, ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
+from kvxfer.protocol import (
+    MAX_READ_PIECES,
+    DataHello,
+    ErrorCode,
+    ReadReply,
+    ReadRequest,
+    Refusal,
+    decode_data,
+    encode,
+)
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.threads import NamedThread
 
@@ -70,6 +80,8 @@ INLINE_WAIT_S = 0.01
 # the socket buffers (4 x 12 KiB)
 PIPELINE_DEPTH = 4
 PIPELINE_PIECES = 512
+# a burst's small reads of one producer are sent as one request of up to this many bytes (read_many)
+MERGE_BYTES = 16 << 20
 OPTIONS = {"streams", "transport", "unix_send", "timeout_s", "host", "port"}
 
 
@@ -100,6 +112,18 @@ class _Job:
     deadline: float
     sent: bool = False  # its read request went out
     receipt: _Receipt | None = None  # its reply header arrived: the bytes being received
+    # a burst's small reads of one producer as one request (``ReadRequest.parts``): per read, in
+    # piece order, (batch id, request id, pieces); empty: the job is one part of ``batch_id``
+    members: list[tuple[int, str, int]] = field(default_factory=list)
+
+    def alone(self) -> list[_Job]:
+        """A merged job's reads as jobs of their own (the producer refused the whole: each asks alone)."""
+        jobs, a = [], 0
+        for batch_id, request_id, n in self.members:
+            jobs.append(_Job(batch_id, 0, request_id, self.regions[a:a + n], self.offsets[a:a + n],
+                             self.lengths[a:a + n], self.views[a:a + n], self.deadline))
+            a += n
+        return jobs
 
 
 _RESUME = _Job(-1, -1, "", np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), [], 0.0)
@@ -232,6 +256,12 @@ class _Stream:
                 self._do(self.sock, job, job.deadline)
             except ReadRefused as e:
                 todo.pop(0)
+                if job.members:  # one of the reads was refused: each asks alone, after those sent
+                    alone = job.alone()
+                    with self.plane._lock:
+                        self.outstanding += len(alone) - 1
+                    todo.extend(alone)
+                    continue
                 self._refused(job, e)
                 continue
             except Exception as e:
@@ -267,7 +297,8 @@ class _Stream:
 
     def _request(self, sock: socket.socket, job: _Job) -> None:
         req = ReadRequest(request_id=job.request_id, batch_id=job.batch_id, regions=job.regions.tobytes(),
-                          offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token)
+                          offsets=job.offsets.tobytes(), lengths=job.lengths.tobytes(), token=self.token,
+                          parts=[(rid, n) for _, rid, n in job.members])
         sock.settimeout(max(job.deadline - time.monotonic(), 0.001))
         send_frame(sock, encode(req))
         job.sent = True
@@ -449,8 +480,12 @@ class TcpDataPlane(HostRegionPlane):
         addresses = np.empty(0, np.int64)
         try:
             table = self._table
-            why, d = check_read(table, self._validator, req.request_id, req.regions, req.offsets,
-                                req.lengths, allow_empty=True)
+            if req.parts:  # a burst's reads as one: each part checked against its own request
+                why, d = check_read_parts(table, self._validator, req.request_id, req.regions, req.offsets,
+                                          req.lengths, req.parts)
+            else:
+                why, d = check_read(table, self._validator, req.request_id, req.regions, req.offsets,
+                                    req.lengths, allow_empty=True)
             if why is None and splicer is not None:
                 addresses = table.addresses(d.remote_region, d.remote_offset)
             elif why is None:
@@ -501,8 +536,56 @@ class TcpDataPlane(HostRegionPlane):
         return self._read(peer_id, request_id, descriptors, inline=True)
 
     def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
-        """Each read queued on its streams (none inline unless alone: the streams move them in parallel)."""
-        return [self._read(peer_id, request_id, d, inline=len(reads) == 1) for peer_id, request_id, d in reads]
+        """Each read queued on its streams (none inline unless alone: the streams move them in
+        parallel). A burst's small reads of one producer go as one request of up to MERGE_BYTES
+        (``ReadRequest.parts``): the producer checks each part against its own request's hold and
+        sends one reply; each read is still reported alone, and if the producer refuses any part,
+        each asks again alone. One request per load cost about 0.4 ms of this 2-core machine's CPU
+        between the four processes (session 37: 32 loads of 1 block, 0.45-0.61 of one request)."""
+        if len(reads) == 1:
+            peer_id, request_id, d = reads[0]
+            return [self._read(peer_id, request_id, d, inline=True)]
+        ids = [0] * len(reads)
+        groups: dict[str, list[list[int]]] = {}
+        sizes: dict[str, tuple[int, int]] = {}  # the peer's open group: bytes, pieces
+        for i, (peer_id, request_id, d) in enumerate(reads):
+            if not 0 < d.nbytes < MIN_SPLIT_BYTES:  # empty (reported at once), or split over streams
+                ids[i] = self._read(peer_id, request_id, d, inline=False)
+                continue
+            nbytes, npieces = sizes.get(peer_id, (MERGE_BYTES, 0))
+            if nbytes + d.nbytes > MERGE_BYTES or npieces + len(d) > MAX_READ_PIECES:
+                groups.setdefault(peer_id, []).append([])
+                nbytes, npieces = 0, 0
+            groups[peer_id][-1].append(i)
+            sizes[peer_id] = (nbytes + d.nbytes, npieces + len(d))
+        for peer_id, chunks in groups.items():
+            for chunk in chunks:
+                for i, batch_id in zip(chunk, self._read_merged(peer_id, [reads[i] for i in chunk]), strict=True):
+                    ids[i] = batch_id
+        return ids
+
+    def _read_merged(self, peer_id: str, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
+        """Reads of one peer (each one stream's, in bounds) as one job; one alone, or any the
+        checks stop, go through ``_read`` (which reports them)."""
+        with self._lock:
+            streams = self._streams.get(peer_id)
+        if len(reads) == 1 or not streams or any(
+                check_bounds(self._table, d.local_region, d.local_offset, d.length) is not None for _, _, d in reads):
+            return [self._read(peer_id, request_id, d, inline=False) for _, request_id, d in reads]
+        d = Descriptors.concat([d for _, _, d in reads])
+        views = self._views
+        lv = [views[r][o : o + k] for r, o, k in zip(d.local_region.tolist(), d.local_offset.tolist(),
+                                                     d.length.tolist(), strict=True)]
+        members = [(next(self._ids), request_id, len(rd)) for _, request_id, rd in reads]
+        job = _Job(members[0][0], 0, members[0][1], d.remote_region, d.remote_offset, d.length, lv,
+                   time.monotonic() + self.timeout_s, members=members)
+        with self._lock:
+            for (batch_id, request_id, _), (_, _, rd) in zip(members, reads, strict=True):
+                self._batches[batch_id] = _Batch(batch_id, peer_id, request_id, rd.nbytes, 1)
+            stream = min(streams, key=lambda s: s.outstanding)
+            stream.outstanding += 1
+        stream.jobs.put(job)
+        return [batch_id for batch_id, _, _ in members]
 
     def _read(self, peer_id: str, request_id: str, descriptors: Descriptors, inline: bool) -> int:
         """``read``; ``inline``: a small read for an idle, connected stream is done on this thread
@@ -554,19 +637,23 @@ class TcpDataPlane(HostRegionPlane):
         return batch_id
 
     def _part_done(self, stream: _Stream, job: _Job, code: ErrorCode | None, error: str | None) -> None:
+        """A job done (``error`` None) or failed: its part of its batch, or every read it merged."""
+        finished: list[_Batch] = []
         with self._lock:
             stream.outstanding -= 1
-            b = self._batches.get(job.batch_id)
-            if b is None:
-                return
-            if error and b.error is None:
-                b.error, b.code = error, code
-            b.parts_left -= 1
-            if b.parts_left:
-                return
-            del self._batches[job.batch_id]
-        self._finish(BatchResult(b.batch_id, b.peer_id, b.request_id, b.nbytes if b.error is None else 0, b.error,
-                                 b.code))
+            for batch_id in [m[0] for m in job.members] or [job.batch_id]:
+                b = self._batches.get(batch_id)
+                if b is None:
+                    continue
+                if error and b.error is None:
+                    b.error, b.code = error, code
+                b.parts_left -= 1
+                if not b.parts_left:
+                    del self._batches[batch_id]
+                    finished.append(b)
+        for b in finished:
+            self._finish(BatchResult(b.batch_id, b.peer_id, b.request_id, b.nbytes if b.error is None else 0,
+                                     b.error, b.code))
 
     def counters(self) -> dict[str, float]:
         with self._lock:
