@@ -144,7 +144,7 @@ def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: 
         return None
     t = regions if isinstance(regions, RegionTable) else RegionTable(regions)
     known, sizes = t.known, t.sizes
-    pos = np.searchsorted(known, region_ids).clip(0, max(len(known) - 1, 0))
+    pos = np.minimum(np.searchsorted(known, region_ids), max(len(known) - 1, 0))  # (clip: 9 us of dtype checks)
     registered = (known[pos] == region_ids) if len(known) else np.zeros(len(region_ids), bool)
     if not registered.all():
         bad = int(region_ids[~registered][0])
@@ -158,6 +158,9 @@ def check_bounds(regions: Mapping[int, MemoryRegion] | RegionTable, region_ids: 
     return None
 
 
+_NO_PIECES = Descriptors.from_rows([])  # a refused read's pieces (made once: 14 us a read)
+
+
 def check_read_parts(table: RegionTable, validator: ReadValidator | None, request_id: str, regions: bytes,
                      offsets: bytes, lengths: bytes, parts: Sequence[tuple[str, int]]
                      ) -> tuple[Refusal | None, Descriptors]:
@@ -166,7 +169,7 @@ def check_read_parts(table: RegionTable, validator: ReadValidator | None, reques
     the whole (the reader then reads the parts one by one, each answered alone)."""
     if not parts:
         return check_read(table, validator, request_id, regions, offsets, lengths)
-    empty = Descriptors.from_rows([])
+    empty = _NO_PIECES
     counts = [n for _, n in parts]
     if parts[0][0] != request_id or min(counts) < 1 or sum(counts) * 8 != len(lengths):
         return Refusal(ErrorCode.BAD_MESSAGE, "malformed read request: its parts do not cover its pieces"), empty
@@ -190,7 +193,7 @@ def check_read(table: RegionTable, validator: ReadValidator | None, request_id: 
 
     A validator that raises refuses the read as ``internal`` (reported once, see
     :mod:`kvxfer.supervise`): a bug there must not end the serving loop that called it."""
-    empty = Descriptors.from_rows([])
+    empty = _NO_PIECES
     if len(regions) % 8 or len(offsets) % 8 or len(lengths) % 8:
         return Refusal(ErrorCode.BAD_MESSAGE, "malformed read request"), empty
     arrays = [np.frombuffer(b, dtype="<i8").astype(np.int64) for b in (regions, offsets, lengths)]

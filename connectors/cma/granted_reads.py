@@ -155,7 +155,7 @@ class GrantedReads:
             raise ConnectionError("not connected")
         if self._closed:
             raise ConnectionError("the plane is closed")
-        pos = np.searchsorted(peer.ids, d.remote_region).clip(0, len(peer.ids) - 1)
+        pos = np.minimum(np.searchsorted(peer.ids, d.remote_region), len(peer.ids) - 1)
         if not (peer.ids[pos] == d.remote_region).all() or (d.remote_offset + d.length > peer.sizes[pos]).any():
             raise ReadRefused(ErrorCode.OUT_OF_BOUNDS, "a piece lies outside the producer's regions")
         req = ReadRequest(request_id=request_id, batch_id=batch_id, regions=d.remote_region.tobytes(),

@@ -228,7 +228,7 @@ class RemoteRegions:
 
     def at(self, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(remote addresses, key handles) of pieces; IndexError for a piece outside its region."""
-        pos = np.searchsorted(self.known, regions).clip(0, max(len(self.known) - 1, 0))
+        pos = np.minimum(np.searchsorted(self.known, regions), max(len(self.known) - 1, 0))
         if not len(self.known) or (self.known[pos] != regions).any() or (offsets < 0).any() \
                 or (offsets + lengths > self.sizes[pos]).any():
             raise IndexError("a piece is outside the producer's mapped regions")

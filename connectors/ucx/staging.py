@@ -35,7 +35,7 @@ class AddressSpace:
 
     def at(self, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Where each piece starts in ``flat``; IndexError for a piece outside its region."""
-        pos = np.searchsorted(self.known, regions).clip(0, max(len(self.known) - 1, 0))
+        pos = np.minimum(np.searchsorted(self.known, regions), max(len(self.known) - 1, 0))
         if not len(self.known) or (self.known[pos] != regions).any() or (offsets < 0).any() \
                 or (offsets + lengths > self.sizes[pos]).any():
             raise IndexError("a piece is outside its registered region")

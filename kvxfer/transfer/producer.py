@@ -314,7 +314,7 @@ class HoldRegistry:
             return None
         rids = d.remote_region
         known = self._known
-        pos = np.searchsorted(known, rids).clip(0, len(known) - 1)
+        pos = np.minimum(np.searchsorted(known, rids), len(known) - 1)
         if not (known[pos] == rids).all():
             return Refusal(ErrorCode.OUT_OF_BOUNDS, f"region {int(rids[known[pos] != rids][0])} is not registered")
         strides, lengths = self._strides[pos], self._lengths[pos]
