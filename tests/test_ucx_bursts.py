@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import ucxx  # noqa: F401  (the README's test install has the ucx extra: a missing ucxx is a failure, not a skip)
+from burst_checks import (
+    check_a_burst_is_one_request_and_each_read_is_reported_alone,
+    check_a_refused_part_makes_each_read_ask_alone,
+)
 from kvxfer.connectors.ucx import UcxDataPlane
 from test_cma_bursts import read_many
 from test_hold_board import NB, STRIDE, region
@@ -83,23 +87,11 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 
 
 def test_a_burst_of_staged_reads_is_one_request_and_each_is_reported_alone(pair: Pair) -> None:
-    reads = [("a", [3, 9], [0, 1]), ("b", [10], [2]), ("c", [20, 21, 5], [3, 4, 5])]
-    for rid, remote, _ in reads:
-        pair.holds.hold(rid, remote, 16 * len(remote))
-    out = pair.burst(reads)
-    assert all(out[rid].ok and out[rid].nbytes == len(r) * STRIDE for rid, r, _ in reads), out
-    assert all(pair.arrived(r, loc) for _, r, loc in reads)
-    assert pair.served == [3], "one request, of three parts"
+    check_a_burst_is_one_request_and_each_read_is_reported_alone(pair)
 
 
 def test_a_refused_part_makes_each_read_ask_alone(pair: Pair) -> None:
-    pair.holds.hold("a", [3], 16)
-    pair.holds.hold("c", [7], 16)
-    out = pair.burst([("a", [3], [0]), ("x", [5], [1]), ("c", [7], [2])])
-    assert out["a"].ok and out["c"].ok and pair.arrived([3, 7], [0, 2])
-    assert not out["x"].ok and out["x"].code is ErrorCode.NOT_HELD
-    assert not pair.dst[STRIDE:2 * STRIDE].any(), "the refused read wrote nothing"
-    assert pair.served == [3, 1, 1, 1], "the joint request, refused; then each alone"
+    check_a_refused_part_makes_each_read_ask_alone(pair)
 
 
 @pytest.mark.parametrize("reads", ["one-sided", "two-sided"])
