@@ -12,7 +12,7 @@ default). While a ``poll(timeout_s)`` of such a connector waits in ``select`` it
 ``connector.gil_wait_switch_interval_s`` (50 us by default): the waiting thread runs no Python
 meanwhile, so only the engine's other threads switch that often, and only for the wait, and the
 woken thread has the GIL 50 us after it asks, not 0.5 ms (session 37: a busy consumer's hand-off
-of a tcp load 540-650 us against 950-1000). The engine's own value comes back when no connector of
+of a tcp load 540-670 us against 950-1400). The engine's own value comes back when no connector of
 the process claims either.
 
 The interval is one value per process: kvxfer counts the claims (loads in flight; waits), sets the

@@ -541,7 +541,7 @@ class TcpDataPlane(HostRegionPlane):
         (``ReadRequest.parts``): the producer checks each part against its own request's hold and
         sends one reply; each read is still reported alone, and if the producer refuses any part,
         each asks again alone. One request per load cost about 0.4 ms of this 2-core machine's CPU
-        between the four processes (session 37: 32 loads of 1 block, 0.45-0.61 of one request)."""
+        between the four processes (session 37: 32 loads of 1 block, 0.43-0.61 of one request)."""
         if len(reads) == 1:
             peer_id, request_id, d = reads[0]
             return [self._read(peer_id, request_id, d, inline=True)]
