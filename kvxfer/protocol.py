@@ -203,7 +203,7 @@ class ReadRequest(Message, tag="read", frozen=True):
     offsets: bytes
     lengths: bytes
     token: bytes = b""
-    # several requests' pieces read as one (ucx: a burst of small loads, one reply): the pieces
+    # several requests' pieces read as one (ucx, tcp: a burst of small loads, one reply): the pieces
     # split, in order, into these (request id, piece count) parts, the first ``request_id``'s, each
     # checked against its own request's hold. Empty: every piece is ``request_id``'s.
     parts: list[tuple[Id, int]] = []

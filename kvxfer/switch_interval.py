@@ -17,8 +17,10 @@ the process claims either.
 
 The interval is one value per process: kvxfer counts the claims (loads in flight; waits), sets the
 shortest claimed (never longer than the engine's own value) and puts the engine's value back after
-the last; if the engine set another value meanwhile, that one is the engine's value from then on
-(kvxfer never puts back over a value it did not set). A shorter interval costs only when two or
+the last; if the engine set another value meanwhile, that one is the engine's value from then on:
+the next change of claims shortens it again if a claim is shorter, and after the last claim it is
+left as it is (kvxfer never puts back over a value it did not set; a value the engine sets equal
+to kvxfer's cannot be told apart from it). A shorter interval costs only when two or
 more Python threads want to run at once (each of them then runs at most that long before the next
 has its turn).
 

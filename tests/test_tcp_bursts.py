@@ -6,13 +6,15 @@ the reads of a burst arrive bit-exact and are reported each alone, with one requ
 all; a read of a request the producer does not hold makes it refuse the joint request, and each
 read is then asked for alone (the held ones arrive, the other fails as not held, by itself, and
 writes nothing); a burst over MERGE_BYTES is cut into several requests; a read large enough to be
-split over the streams is never joined; a producer checks each part of a joint request against
-its own request, so a part of a request it does not hold cannot ride on one it does.
+split over the streams, or of big pieces, is never joined; a producer checks each part of a joint
+request against its own request, so a part of a request it does not hold cannot ride on one it
+does; a refused joint request's reads, asking alone, keep at most PIPELINE_DEPTH requests out.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,11 +26,11 @@ from burst_checks import (
     check_a_refused_part_makes_each_read_ask_alone,
 )
 from kvxfer.connectors.tcp import TcpDataPlane, recv_frame, send_frame
-from test_cma_bursts import read_many
+from test_cma_bursts import descs, read_many
 from test_hold_board import NB, STRIDE, region
 from test_hold_board import Pair as CmaPair
 
-from kvxfer.dataplane import BatchResult
+from kvxfer.dataplane import BatchResult, Descriptors
 from kvxfer.protocol import DataHello, ErrorCode, ReadReply, ReadRequest, decode_data, encode
 from kvxfer.topology import ParallelLayout
 from kvxfer.transfer.producer import HoldRegistry
@@ -89,15 +91,31 @@ def test_a_burst_over_merge_bytes_is_cut_and_a_read_split_over_streams_is_never_
     assert all(r.ok for r in out.values()) and all(pair.arrived(r, loc) for _, r, loc in reads)
     assert sorted(pair.served) == [1, 2], "two reads of STRIDE bytes fill a request of 2 * STRIDE; the third goes alone"
     monkeypatch.setattr(tcp, "MIN_SPLIT_BYTES", 2 * STRIDE)  # a read of 2 blocks is now split over the streams
-    monkeypatch.setattr(tcp, "MIN_SPLIT_PIECE", STRIDE)
+    monkeypatch.setattr(tcp, "MIN_SPLIT_PIECE", STRIDE)  # ... and a piece of a block is a big one
     monkeypatch.setattr(tcp, "MERGE_BYTES", 16 << 20)
     pair.served.clear()
-    pair.holds.hold("big", [10, 11], 32)
-    pair.holds.hold("d", [12], 16)
-    pair.holds.hold("e", [13], 16)
-    out = pair.burst([("big", [10, 11], [10, 11]), ("d", [12], [12]), ("e", [13], [13])])
-    assert all(r.ok for r in out.values()) and pair.arrived([10, 11, 12, 13], [10, 11, 12, 13])
-    assert sorted(pair.served) == [1, 1, 2], "big: one request on each stream; d and e: one joint request"
+    for rid, blocks in (("big", [10, 11]), ("f", [12]), ("d", [13]), ("e", [14])):
+        pair.holds.hold(rid, blocks, 16 * len(blocks))
+    half = STRIDE // 2  # d and e as two pieces of half a block each: small pieces
+    d_e = [Descriptors.from_rows([(0, b * STRIDE + h, 0, b * STRIDE + h, half) for h in (0, half)]) for b in (13, 14)]
+    ids = pair.consumer.read_many([("p", "big", descs([10, 11], [10, 11])), ("p", "f", descs([12], [12])),
+                                   ("p", "d", d_e[0]), ("p", "e", d_e[1])])
+    results = wait_results(pair, ids)
+    assert all(r.ok for r in results) and pair.arrived([10, 11, 12, 13, 14], [10, 11, 12, 13, 14])
+    assert sorted(pair.served) == [1, 1, 1, 2], "big: one request on each stream; f (big pieces) alone; d and e joint"
+
+
+def wait_results(pair: Pair, ids: list[int]) -> list[BatchResult]:
+    """The results of ``ids`` in their order, each reported once, within 10 s."""
+    got: dict[int, BatchResult] = {}
+    deadline = time.monotonic() + 10
+    while len(got) < len(ids) and time.monotonic() < deadline:
+        for res in pair.consumer.poll():
+            assert res.batch_id not in got, "a read reported twice"
+            got[res.batch_id] = res
+        time.sleep(0.001)
+    assert len(got) == len(ids), "not every read finished within 10 s"
+    return [got[i] for i in ids]
 
 
 def test_a_joint_request_is_checked_part_by_part_by_the_producer() -> None:
@@ -120,5 +138,45 @@ def test_a_joint_request_is_checked_part_by_part_by_the_producer() -> None:
                                              lengths=np.repeat(stride, 2).tobytes(), parts=[("a", 1)])))
             reply = decode_data(recv_frame(s))
             assert isinstance(reply, ReadReply) and reply.code is ErrorCode.BAD_MESSAGE, "parts that do not cover"
+    finally:
+        p.close()
+
+
+def test_a_refused_joint_request_keeps_at_most_pipeline_depth_requests_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stream, a burst of five joint requests queued while the stream is held, so that four
+    are out at once; the first is refused and its two reads ask alone: requests sent ahead must
+    still fit the socket buffers, so no more than PIPELINE_DEPTH are ever awaited at once."""
+    monkeypatch.setattr(tcp, "MERGE_BYTES", 2 * STRIDE)
+    out_now, most = [0], [0]
+    request, header = tcp._Stream._request, tcp._Stream._header
+
+    def counted_request(self: Any, sock: Any, job: Any) -> None:
+        request(self, sock, job)
+        out_now[0] += 1
+        most[0] = max(most[0], out_now[0])
+
+    def counted_header(self: Any, sock: Any, job: Any, wait_until: float) -> None:
+        try:
+            header(self, sock, job, wait_until)
+        finally:
+            out_now[0] -= 1
+
+    monkeypatch.setattr(tcp._Stream, "_request", counted_request)
+    monkeypatch.setattr(tcp._Stream, "_header", counted_header)
+    p = Pair({"transport": "unix", "streams": 1})
+    try:
+        reads = [(f"r{i}", [i], [i]) for i in range(10)]
+        for rid, remote, _ in reads:
+            if rid != "r1":  # r0 and r1 share the first joint request: it is refused
+                p.holds.hold(rid, remote, 16)
+        stream = p.consumer._streams["p"][0]
+        with stream._busy:  # the stream's thread takes the whole burst at once, four requests out
+            ids = p.consumer.read_many([("p", rid, descs(r, loc)) for rid, r, loc in reads])
+        out = {rid: res for (rid, _, _), res in zip(reads, wait_results(p, ids), strict=True)}
+        assert not out["r1"].ok and out["r1"].code is ErrorCode.NOT_HELD
+        assert all(out[rid].ok for rid, _, _ in reads if rid != "r1")
+        assert p.arrived([i for i in range(10) if i != 1], [i for i in range(10) if i != 1])
+        assert p.served[0] == 2 and sorted(p.served) == [1, 1, 2, 2, 2, 2, 2], p.served
+        assert most[0] == tcp.PIPELINE_DEPTH, f"requests out at once: {most[0]}"
     finally:
         p.close()

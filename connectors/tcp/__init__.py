@@ -47,16 +47,7 @@ from kvxfer.dataplane import (
     check_read,
     check_read_parts,
 )
-from kvxfer.protocol import (
-    MAX_READ_PIECES,
-    DataHello,
-    ErrorCode,
-    ReadReply,
-    ReadRequest,
-    Refusal,
-    decode_data,
-    encode,
-)
+from kvxfer.protocol import DataHello, ErrorCode, ReadReply, ReadRequest, Refusal, decode_data, encode
 from kvxfer.supervise import code_of, describe, report
 from kvxfer.threads import NamedThread
 
@@ -80,8 +71,10 @@ INLINE_WAIT_S = 0.01
 # the socket buffers (4 x 12 KiB)
 PIPELINE_DEPTH = 4
 PIPELINE_PIECES = 512
-# a burst's small reads of one producer are sent as one request of up to this many bytes (read_many)
+# a burst's small reads of one producer are sent as one request of up to this many bytes and
+# pieces (read_many; the pieces cap keeps the request frame far below the wire's MAX_FRAME)
 MERGE_BYTES = 16 << 20
+MERGE_PIECES = 1 << 14
 OPTIONS = {"streams", "transport", "unix_send", "timeout_s", "host", "port"}
 
 
@@ -117,8 +110,9 @@ class _Job:
     members: list[tuple[int, str, int]] = field(default_factory=list)
 
     def alone(self) -> list[_Job]:
-        """A merged job's reads as jobs of their own (the producer refused the whole: each asks alone)."""
-        jobs, a = [], 0
+        """A joint job's reads as jobs of their own (the producer refused the whole: each asks alone)."""
+        jobs: list[_Job] = []
+        a = 0
         for batch_id, request_id, n in self.members:
             jobs.append(_Job(batch_id, 0, request_id, self.regions[a:a + n], self.offsets[a:a + n],
                              self.lengths[a:a + n], self.views[a:a + n], self.deadline))
@@ -247,7 +241,7 @@ class _Stream:
                     if self.closed:
                         raise ConnectionError("the stream closed")
                     self.sock = self._connect()
-                for j in todo:
+                for j in todo[:PIPELINE_DEPTH]:  # (a refused joint request's reads may make todo longer)
                     if j.sent:
                         continue
                     if j is not job and len(j.lengths) > PIPELINE_PIECES:
@@ -473,9 +467,9 @@ class TcpDataPlane(HostRegionPlane):
                 splicer.close()
 
     def _serve_read(self, conn: socket.socket, peer: str, req: ReadRequest, splicer: Splicer | None) -> None:
-        """One read: checked, then sent (spliced with ``splicer``, else copied by sendmsg). An
-        exception before the reply header is sent refuses this read as ``internal`` and the
-        connection serves the next one."""
+        """One read request (a joint one's parts each checked against its own request): checked,
+        then sent (spliced with ``splicer``, else copied by sendmsg). An exception before the reply
+        header is sent refuses this read as ``internal`` and the connection serves the next one."""
         pieces: list[memoryview] = []
         addresses = np.empty(0, np.int64)
         try:
@@ -537,11 +531,13 @@ class TcpDataPlane(HostRegionPlane):
 
     def read_many(self, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
         """Each read queued on its streams (none inline unless alone: the streams move them in
-        parallel). A burst's small reads of one producer go as one request of up to MERGE_BYTES
-        (``ReadRequest.parts``): the producer checks each part against its own request's hold and
-        sends one reply; each read is still reported alone, and if the producer refuses any part,
-        each asks again alone. One request per load cost about 0.4 ms of this 2-core machine's CPU
-        between the four processes (session 37: 32 loads of 1 block, 0.43-0.61 of one request)."""
+        parallel). A burst's reads of one producer that would each go on one stream, of small
+        pieces, go as one request of up to MERGE_BYTES (``ReadRequest.parts``): the producer checks
+        each part against its own request's hold and sends one reply; each read is still reported
+        alone, and if the producer refuses any part, each asks again alone. A request per load cost
+        about 0.4 ms of this 2-core machine's CPU between the four processes (session 37: 32 loads
+        of 1 block in flight moved 0.43-0.61 of one load's GB/s, joined 0.69-0.76). Reads of big
+        pieces keep a request each, spread over the streams."""
         if len(reads) == 1:
             peer_id, request_id, d = reads[0]
             return [self._read(peer_id, request_id, d, inline=True)]
@@ -549,11 +545,11 @@ class TcpDataPlane(HostRegionPlane):
         groups: dict[str, list[list[int]]] = {}
         sizes: dict[str, tuple[int, int]] = {}  # the peer's open group: bytes, pieces
         for i, (peer_id, request_id, d) in enumerate(reads):
-            if not 0 < d.nbytes < MIN_SPLIT_BYTES:  # empty (reported at once), or split over streams
+            if not 0 < d.nbytes < MIN_SPLIT_BYTES or d.nbytes >= MIN_SPLIT_PIECE * len(d):  # alone: see above
                 ids[i] = self._read(peer_id, request_id, d, inline=False)
                 continue
             nbytes, npieces = sizes.get(peer_id, (MERGE_BYTES, 0))
-            if nbytes + d.nbytes > MERGE_BYTES or npieces + len(d) > MAX_READ_PIECES:
+            if nbytes + d.nbytes > MERGE_BYTES or npieces + len(d) > MERGE_PIECES:
                 groups.setdefault(peer_id, []).append([])
                 nbytes, npieces = 0, 0
             groups[peer_id][-1].append(i)
@@ -565,8 +561,8 @@ class TcpDataPlane(HostRegionPlane):
         return ids
 
     def _read_merged(self, peer_id: str, reads: Sequence[tuple[str, str, Descriptors]]) -> list[int]:
-        """Reads of one peer (each one stream's, in bounds) as one job; one alone, or any the
-        checks stop, go through ``_read`` (which reports them)."""
+        """Reads of one peer (each one stream's) as one job; a lone read, or a group with a read
+        out of bounds (or no streams), goes read by read through ``_read``, which reports each."""
         with self._lock:
             streams = self._streams.get(peer_id)
         if len(reads) == 1 or not streams or any(
