@@ -483,9 +483,7 @@ class TcpDataPlane(HostRegionPlane):
             if why is None and splicer is not None:
                 addresses = table.addresses(d.remote_region, d.remote_offset)
             elif why is None:
-                views = self._views
-                pieces = [views[r][o : o + k] for r, o, k in zip(
-                    d.remote_region.tolist(), d.remote_offset.tolist(), d.length.tolist(), strict=True)]
+                pieces = self._piece_views(d.remote_region, d.remote_offset, d.length)
         except Exception as e:
             report("tcp serve", e, f"read for {req.request_id} from {peer}")
             why = Refusal(ErrorCode.INTERNAL, f"serving the read failed: {describe(e)}")
@@ -569,9 +567,7 @@ class TcpDataPlane(HostRegionPlane):
                 check_bounds(self._table, d.local_region, d.local_offset, d.length) is not None for _, _, d in reads):
             return [self._read(peer_id, request_id, d, inline=False) for _, request_id, d in reads]
         d = Descriptors.concat([d for _, _, d in reads])
-        views = self._views
-        lv = [views[r][o : o + k] for r, o, k in zip(d.local_region.tolist(), d.local_offset.tolist(),
-                                                     d.length.tolist(), strict=True)]
+        lv = self._piece_views(d.local_region, d.local_offset, d.length)
         members = [(next(self._ids), request_id, len(rd)) for _, request_id, rd in reads]
         job = _Job(members[0][0], 0, members[0][1], d.remote_region, d.remote_offset, d.length, lv,
                    time.monotonic() + self.timeout_s, members=members)
@@ -610,11 +606,9 @@ class TcpDataPlane(HostRegionPlane):
         parts = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
         deadline = time.monotonic() + self.timeout_s
         batch = _Batch(batch_id, peer_id, request_id, d.nbytes, len(parts))
-        views = self._views
         jobs = []
         for i, (a, b) in enumerate(parts):
-            lv = [views[r][o : o + k] for r, o, k in zip(d.local_region[a:b].tolist(), d.local_offset[a:b].tolist(),
-                                                         d.length[a:b].tolist(), strict=True)]
+            lv = self._piece_views(d.local_region[a:b], d.local_offset[a:b], d.length[a:b])
             jobs.append(_Job(batch_id, i, request_id, d.remote_region[a:b], d.remote_offset[a:b], d.length[a:b], lv,
                              deadline))
         with self._lock:
@@ -631,6 +625,12 @@ class TcpDataPlane(HostRegionPlane):
         for s, job in zip(chosen, jobs, strict=True):
             s.jobs.put(job)
         return batch_id
+
+    def _piece_views(self, regions: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+        """A memoryview of each (region, offset, length) piece of this rank's registered regions."""
+        views = self._views
+        return [views[r][o : o + k] for r, o, k in zip(regions.tolist(), offsets.tolist(), lengths.tolist(),
+                                                       strict=True)]
 
     def _part_done(self, stream: _Stream, job: _Job, code: ErrorCode | None, error: str | None) -> None:
         """A job done (``error`` None) or failed: its part of its batch, or every read it merged."""
